@@ -1,0 +1,1 @@
+"""Prefix-aware gateway for SGLang workers."""

@@ -1,0 +1,1 @@
+"""Load tests, workloads, offline replay and benchmarks."""

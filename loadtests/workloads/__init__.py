@@ -1,0 +1,1 @@
+"""Deterministic workload generators and trace readers."""

@@ -1,0 +1,123 @@
+"""The policy interface: what a policy sees of the fleet, and what it decides.
+
+A policy is pure decision logic. ``select`` is synchronous, performs no I/O, and is
+deterministic given its :class:`RouteContext` (randomness comes only from ``ctx.rng``).
+The live gateway and the offline replay build the same context from their own state and
+call the very same policy objects, so a result tuned offline reproduces live.
+
+Every field a policy may read can be missing or stale (a worker that has not been polled
+yet, a cost model that is not calibrated yet): policies fall back to sensible defaults
+rather than fail.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# Reasons a policy gives for a decision. Bounded set: they become metric labels.
+REASON_PREFIX_HIT = "prefix_hit"
+REASON_LOAD = "load"
+REASON_IMBALANCE = "imbalance"
+REASON_MISS = "miss"
+REASON_AFFINITY = "affinity"
+REASON_ROUND_ROBIN = "round_robin"
+REASON_RANDOM = "random"
+REASON_ONLY_CANDIDATE = "only_candidate"
+REASONS: frozenset[str] = frozenset(
+    {
+        REASON_PREFIX_HIT,
+        REASON_LOAD,
+        REASON_IMBALANCE,
+        REASON_MISS,
+        REASON_AFFINITY,
+        REASON_ROUND_ROBIN,
+        REASON_RANDOM,
+        REASON_ONLY_CANDIDATE,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The worker's own load figures, as last polled (``/v1/loads`` or ``/metrics``)."""
+
+    running_requests: int = 0
+    waiting_requests: int = 0
+    waiting_uncached_tokens: int | None = None  # queued prefill work the engine reports
+    token_usage: float = 0.0  # KV held by live requests / capacity, 0..1
+    age_s: float = 0.0  # seconds since the figures were read
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCost:
+    """A worker's latency model, calibrated online by the gateway from observed TTFTs.
+
+    ``prefill_s(n) = fixed_s + per_token_s * n``. ``None`` fields mean "not calibrated":
+    policies then use their own defaults.
+    """
+
+    prefill_per_token_s: float | None = None
+    prefill_fixed_s: float | None = None
+    decode_step_s: float | None = None  # one decode step of the running batch
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What a policy sees of one candidate worker, at decision time."""
+
+    id: str
+    in_flight: int = 0  # requests this gateway (or the gateway fleet) has in flight there
+    queued_prefill_tokens: int = 0  # uncached prompt tokens dispatched, first token not yet seen
+    decoding_requests: int = 0  # in-flight requests past their first token
+    capacity_tokens: int | None = None  # KV capacity reported by the worker
+    engine_load: EngineLoad | None = None
+    matched_tokens: int = 0  # this request's prefix believed cached there
+    cost: WorkerCost = field(default_factory=WorkerCost)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteContext:
+    """Everything a policy may use to choose among ``candidates`` (non-empty)."""
+
+    prompt_tokens: int  # estimated prompt length in tokens
+    candidates: Sequence[WorkerView]
+    rng: random.Random
+    routing_key: str | None = None  # session / user / tenant affinity key, if any
+    prompt_chars: int = 0  # length of the canonical prompt text
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's choice, with the reason and per-candidate scores for the decision record."""
+
+    worker_id: str
+    reason: str
+    scores: Mapping[str, float] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """Chooses one worker among the candidates of a :class:`RouteContext`."""
+
+    name: ClassVar[str]
+    # Capabilities the router reads instead of branching on a policy's name.
+    uses_prefix_match: ClassVar[bool] = False  # router fills WorkerView.matched_tokens
+    uses_routing_key: ClassVar[bool] = False  # router extracts RouteContext.routing_key
+
+    @abstractmethod
+    def select(self, ctx: RouteContext) -> Decision:
+        """Return the chosen worker. Sync, no I/O, deterministic given ``ctx``."""
+
+    def describe(self) -> dict[str, Any]:
+        """The policy's name and parameters, for ``/debug`` and the decision record."""
+        return {"name": self.name}
+
+
+def least_loaded(candidates: Sequence[WorkerView], rng: random.Random) -> WorkerView:
+    """The candidate with the fewest in-flight requests; ties broken at random."""
+    best = min(w.in_flight for w in candidates)
+    tied = [w for w in candidates if w.in_flight == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)

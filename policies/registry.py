@@ -1,0 +1,35 @@
+"""The only table from policy names to classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.base import Policy
+from policies.random import RandomPolicy
+from policies.round_robin import RoundRobinPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        RoundRobinPolicy,
+        RandomPolicy,
+    )
+}
+
+
+def policy_names() -> list[str]:
+    return sorted(POLICIES)
+
+
+def create_policy(name: str, **params: Any) -> Policy:
+    """Build the named policy with its parameters; ``ValueError`` names what is wrong."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; choose one of {', '.join(policy_names())}"
+        ) from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None
