@@ -18,4 +18,5 @@ EXPOSE 30000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
   CMD python -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:30000/health', timeout=2)" || exit 1
 ENTRYPOINT ["python", "-m", "gateway"]
-CMD ["--config", "/etc/gateway/gateway.yaml"]
+# Inside the container the gateway must listen on all interfaces to be reachable through -p.
+CMD ["--config", "/etc/gateway/gateway.yaml", "--host", "0.0.0.0"]
