@@ -1,1 +1,16 @@
-"""Deterministic workload generators and trace readers."""
+"""Deterministic workload generators and trace readers.
+
+``create_workload(name, ["k=v", ...])`` builds any of them; see ``registry.py``.
+"""
+
+from loadtests.workloads.base import ChatMessage, TracePrompt, Workload, WorkloadRequest
+from loadtests.workloads.registry import create_workload, workload_names
+
+__all__ = [
+    "ChatMessage",
+    "TracePrompt",
+    "Workload",
+    "WorkloadRequest",
+    "create_workload",
+    "workload_names",
+]
