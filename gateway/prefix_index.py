@@ -1,0 +1,265 @@
+"""Which worker is believed to hold which prompt blocks: match / record / forget / correct.
+
+Structure (after llm-d's approximate prefix indexer):
+- a flat map ``block hash → bitmask of workers`` believed to hold that block (each worker
+  owns one bit; a bit is reused after the worker is forgotten);
+- per worker, an LRU of its block hashes (``OrderedDict``: front = least recently used,
+  value = time of last touch) bounded by the worker's capacity in blocks.
+Blocks are chained hashes (``gateway.hashing``): a hit on block ``i`` implies the prefix.
+
+Memory is bounded whatever the traffic: every block entry belongs to some worker's LRU,
+and each LRU is trimmed to its capacity on every ``record``. Capacity per worker:
+``ceil(max_total_num_tokens / block_tokens)`` blocks (``set_capacity``), else
+``default_capacity_blocks``; both capped by ``max_blocks_per_worker``. Measured cost per
+indexed block is in BENCHMARKS.md ("Prefix index cost"); ``IndexStats.approx_bytes`` uses
+that figure.
+
+Flags of sglang-router and their meaning here:
+- ``--max-tree-size`` counts *characters per worker* in sglang-router's radix tree; here
+  it becomes ``max_blocks_per_worker = max_tree_size // block_chars`` (its default,
+  67,108,864 characters, is 1,048,576 blocks of 64: far above a worker's real capacity,
+  so the engine-derived capacity normally binds).
+- ``--eviction-interval-secs`` is, in sglang-router, the period of the background job that
+  trims each worker's tree to ``max_tree_size``. Capacity is enforced on every ``record``
+  here, so no such job is needed; instead the gateway calls ``evict_idle(now,
+  max_idle_s)`` every ``eviction_interval_secs`` to drop blocks nobody has touched for
+  ``max_idle_s`` seconds (entries that old are the first an engine under pressure evicts,
+  and the ones a restarted engine has lost).
+
+Recording order: a prompt's blocks are touched deepest first, so its first block is the
+most recently used and LRU eviction removes a chain from its tail, as the engine's radix
+cache evicts leaves first. Matching stops at the first block no remaining worker holds.
+
+Correction: when a worker reports fewer cached tokens than predicted, its entries for
+that prompt beyond the real match are dropped, unless the first missing block was only
+recorded within ``correction_grace_s`` (then the shortfall is explained by a sibling still
+in prefill on that worker, not by eviction). A tolerance absorbs the error of the
+characters-per-token estimate. Predicted and reported cached tokens are counted per
+worker: the index's fidelity.
+
+Not thread-safe; used from one event loop (or one replay) only. Times are seconds on one
+monotonic clock (``time.monotonic`` unless the caller passes ``now``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, repeat, takewhile
+from operator import and_, neg
+
+# Bytes per indexed block for one holder (map entry + LRU entry + int key), measured by
+# ``python -m loadtests.index_bench`` with tracemalloc; see BENCHMARKS.md.
+APPROX_BYTES_PER_BLOCK = 190
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    blocks: int
+    approx_bytes: int
+    predicted_tokens: int
+    reported_tokens: int
+
+
+@dataclass(slots=True)
+class _WorkerBlocks:
+    bit: int
+    capacity: int  # blocks
+    lru: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    fresh: OrderedDict[int, float] = field(default_factory=OrderedDict)  # recent inserts
+    predicted_tokens: int = 0
+    reported_tokens: int = 0
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        block_tokens: float = 16.0,
+        default_capacity_blocks: int = 26_250,
+        max_blocks_per_worker: int | None = None,
+        *,
+        correction_tolerance: float = 0.25,
+        correction_grace_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # 26,250 blocks x 16 tokens = 420k tokens: one H100-80GB worker's KV for an 8B
+        # model (PERFORMANCE.md section 3), the capacity assumed before a worker reports.
+        if block_tokens <= 0 or default_capacity_blocks <= 0:
+            raise ValueError("block_tokens and default_capacity_blocks must be positive")
+        if max_blocks_per_worker is not None and max_blocks_per_worker <= 0:
+            raise ValueError("max_blocks_per_worker must be positive")
+        self._block_tokens = block_tokens
+        self._default_capacity = default_capacity_blocks
+        self._max_blocks = max_blocks_per_worker
+        self._tolerance = correction_tolerance
+        self._grace_s = correction_grace_s
+        self._clock = clock
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of workers
+        self._workers: dict[str, _WorkerBlocks] = {}
+        self._names: dict[int, str] = {}  # bit -> worker id
+        self._free_bits: list[int] = []
+        self._next_bit = 1
+
+    # --- configuration ---------------------------------------------------------------
+
+    def set_capacity(self, worker_id: str, capacity_tokens: int) -> None:
+        """Bound the worker's LRU from its ``max_total_num_tokens``.
+
+        blocks = ceil(capacity_tokens / block_tokens): e.g. 420,000 tokens / 16 = 26,250
+        blocks; capped by ``max_blocks_per_worker``. Shrinking evicts at once.
+        """
+        state = self._state(worker_id)
+        state.capacity = self._cap(max(1, math.ceil(capacity_tokens / self._block_tokens)))
+        self._evict_over_capacity(state)
+
+    def _cap(self, blocks: int) -> int:
+        return blocks if self._max_blocks is None else min(blocks, self._max_blocks)
+
+    def _state(self, worker_id: str) -> _WorkerBlocks:
+        state = self._workers.get(worker_id)
+        if state is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit, self._next_bit = self._next_bit, self._next_bit << 1
+            state = _WorkerBlocks(bit, self._cap(self._default_capacity))
+            self._workers[worker_id] = state
+            self._names[bit] = worker_id
+        return state
+
+    # --- match / record --------------------------------------------------------------
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Worker id → number of leading blocks of ``block_hashes`` it holds (if > 0)."""
+        if not block_hashes:
+            return {}
+        # Running AND of holder masks, in C; stops at the first block nobody still holds.
+        # The masks only lose bits, so the sequence is non-increasing and its runs of
+        # equal values can be found by bisection (at most one run per worker).
+        masks = list(
+            takewhile(bool, accumulate(map(self._holders.get, block_hashes, repeat(0)), and_))
+        )
+        result: dict[str, int] = {}
+        pos, n = 0, len(masks)
+        while pos < n:
+            value = masks[pos]
+            end = bisect_right(masks, -value, lo=pos, key=neg)
+            while value:
+                low = value & -value
+                result[self._names[low]] = end
+                value ^= low
+            pos = end
+        return result
+
+    def record(self, block_hashes: Sequence[int], worker_id: str, now: float | None = None) -> None:
+        """Believe ``worker_id`` holds these blocks (called at dispatch); refresh its LRU."""
+        if not block_hashes:
+            return
+        state = self._state(worker_id)
+        t = self._clock() if now is None else now
+        lru, fresh, holders, bit = state.lru, state.fresh, self._holders, state.bit
+        for h in reversed(block_hashes):
+            if h in lru:
+                lru.move_to_end(h)
+                lru[h] = t
+            else:
+                lru[h] = t
+                holders[h] = holders.get(h, 0) | bit
+                fresh[h] = t
+        self._prune_fresh(state, t)
+        self._evict_over_capacity(state)
+
+    def _prune_fresh(self, state: _WorkerBlocks, now: float) -> None:
+        fresh, horizon = state.fresh, now - self._grace_s
+        while fresh and (len(fresh) > state.capacity or next(iter(fresh.values())) < horizon):
+            fresh.popitem(last=False)
+
+    def _evict_over_capacity(self, state: _WorkerBlocks) -> None:
+        lru = state.lru
+        while len(lru) > state.capacity:
+            h, _ = lru.popitem(last=False)
+            self._clear(h, state.bit)
+
+    def _clear(self, h: int, bit: int) -> None:
+        mask = self._holders.get(h, 0) & ~bit
+        if mask:
+            self._holders[h] = mask
+        else:
+            self._holders.pop(h, None)
+
+    # --- forget / correct / evict ----------------------------------------------------
+
+    def forget_worker(self, worker_id: str) -> None:
+        state = self._workers.pop(worker_id, None)
+        if state is None:
+            return
+        for h in state.lru:
+            self._clear(h, state.bit)
+        del self._names[state.bit]
+        self._free_bits.append(state.bit)
+
+    def correct(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[int],
+        predicted_blocks: int,
+        reported_tokens: int,
+        now: float | None = None,
+    ) -> None:
+        """Feed back the worker's reported ``cached_tokens`` for a prompt (see module)."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return
+        predicted_blocks = max(0, min(predicted_blocks, len(block_hashes)))
+        reported_tokens = max(0, reported_tokens)
+        state.predicted_tokens += int(predicted_blocks * self._block_tokens)
+        state.reported_tokens += reported_tokens
+        keep = int(reported_tokens * (1.0 + self._tolerance) / self._block_tokens)
+        if keep >= predicted_blocks:
+            return
+        t = self._clock() if now is None else now
+        inserted = state.fresh.get(block_hashes[keep])
+        if inserted is not None and t - inserted < self._grace_s:
+            return  # recorded moments ago: a sibling is still in prefill there
+        lru = state.lru
+        for h in block_hashes[keep:]:
+            if lru.pop(h, None) is not None:
+                state.fresh.pop(h, None)
+                self._clear(h, state.bit)
+
+    def evict_idle(self, now: float, max_idle_s: float) -> int:
+        """Drop blocks untouched for ``max_idle_s`` seconds; return how many were dropped."""
+        if max_idle_s <= 0 or math.isinf(max_idle_s):
+            return 0
+        horizon, dropped = now - max_idle_s, 0
+        for state in self._workers.values():
+            lru = state.lru
+            while lru and next(iter(lru.values())) < horizon:
+                h, _ = lru.popitem(last=False)
+                state.fresh.pop(h, None)
+                self._clear(h, state.bit)
+                dropped += 1
+        return dropped
+
+    # --- introspection ---------------------------------------------------------------
+
+    def stats(self, worker_id: str) -> IndexStats:
+        state = self._workers.get(worker_id)
+        if state is None:
+            return IndexStats(0, 0, 0, 0)
+        blocks = len(state.lru)
+        return IndexStats(
+            blocks, blocks * APPROX_BYTES_PER_BLOCK, state.predicted_tokens, state.reported_tokens
+        )
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def capacity_blocks(self, worker_id: str) -> int:
+        """The worker's LRU bound in blocks (the default for an unknown worker)."""
+        state = self._workers.get(worker_id)
+        return state.capacity if state is not None else self._cap(self._default_capacity)
