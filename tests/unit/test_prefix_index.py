@@ -1,0 +1,217 @@
+"""Prefix index: match, record, capacity bound, correction, forget, idle eviction."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.hashing import block_hashes, seed_for
+from gateway.prefix_index import PrefixIndex
+
+
+def chain(label: str, blocks: int, seed: int = 0) -> list[int]:
+    return block_hashes(
+        (label * 64)[:64] * 0 + "".join(f"{label}{i:062d}\n" for i in range(blocks)), seed=seed
+    )
+
+
+def test_chain_helper_shapes() -> None:
+    assert len(chain("a", 5)) == 5
+    assert chain("a", 5)[:3] == chain("a", 3)
+
+
+def test_match_counts_leading_blocks_per_worker() -> None:
+    ix = PrefixIndex()
+    a = chain("a", 10)
+    ix.record(a, "w1")
+    ix.record(a[:4], "w2")
+    assert ix.match(a) == {"w1": 10, "w2": 4}
+    assert ix.match(a[:2]) == {"w1": 2, "w2": 2}
+    assert ix.match(chain("b", 10)) == {}
+    assert ix.match([]) == {}
+    longer = [*a, 12345]
+    assert ix.match(longer) == {"w1": 10, "w2": 4}
+
+
+def test_shared_prefix_then_divergence() -> None:
+    ix = PrefixIndex()
+    system = "S" * 64 * 8
+    a = block_hashes(system + "A" * 64 * 4)
+    b = block_hashes(system + "B" * 64 * 4)
+    ix.record(a, "w1")
+    assert ix.match(b) == {"w1": 8}
+
+
+def test_seeds_separate_models_and_salts() -> None:
+    ix = PrefixIndex()
+    text = "same prompt text " * 40
+    ix.record(block_hashes(text, seed=seed_for("m1", None)), "w1")
+    assert ix.match(block_hashes(text, seed=seed_for("m1", None))) == {"w1": 10}
+    assert ix.match(block_hashes(text, seed=seed_for("m2", None))) == {}
+    assert ix.match(block_hashes(text, seed=seed_for("m1", "salt"))) == {}
+
+
+def test_capacity_evicts_tail_first() -> None:
+    ix = PrefixIndex(default_capacity_blocks=10)
+    a = chain("a", 8)
+    ix.record(a, "w")
+    b = chain("b", 5)
+    ix.record(b, "w")  # 13 blocks > 10: the three oldest go, deepest first
+    assert ix.stats("w").blocks == 10
+    assert ix.match(a) == {"w": 5}
+    assert ix.match(b) == {"w": 5}
+
+
+def test_refresh_protects_from_eviction() -> None:
+    ix = PrefixIndex(default_capacity_blocks=6)
+    a, b = chain("a", 3), chain("b", 3)
+    ix.record(a, "w")
+    ix.record(b, "w")
+    ix.record(a, "w")  # a is now most recent
+    ix.record(chain("c", 3), "w")
+    assert ix.match(a) == {"w": 3}
+    assert ix.match(b) == {}
+
+
+def test_set_capacity_from_tokens_and_max_blocks() -> None:
+    ix = PrefixIndex(block_tokens=16.0, max_blocks_per_worker=1000)
+    ix.set_capacity("w", 420_000)
+    assert ix.capacity_blocks("w") == 1000  # capped by max_blocks_per_worker
+    ix.set_capacity("w", 160)
+    assert ix.capacity_blocks("w") == 10
+    uncapped = PrefixIndex(block_tokens=16.0)
+    uncapped.set_capacity("w", 420_000)
+    assert uncapped.capacity_blocks("w") == 26_250
+    assert uncapped.capacity_blocks("unknown") == 26_250
+
+
+def test_shrinking_capacity_evicts_now() -> None:
+    ix = PrefixIndex()
+    a = chain("a", 20)
+    ix.record(a, "w")
+    ix.set_capacity("w", 5 * 16)
+    assert ix.stats("w").blocks == 5
+    assert ix.match(a) == {"w": 5}
+
+
+def test_forget_worker() -> None:
+    ix = PrefixIndex()
+    a = chain("a", 6)
+    ix.record(a, "w1")
+    ix.record(a, "w2")
+    ix.forget_worker("w1")
+    assert ix.match(a) == {"w2": 6}
+    assert ix.workers() == ["w2"]
+    assert ix.stats("w1").blocks == 0
+    ix.forget_worker("w1")  # idempotent
+    ix.record(a[:2], "w3")  # reuses the freed bit without confusion
+    assert ix.match(a) == {"w2": 6, "w3": 2}
+    ix.forget_worker("w2")
+    ix.forget_worker("w3")
+    assert ix.match(a) == {}
+
+
+def test_correct_trims_beyond_real_match_and_counts_fidelity() -> None:
+    ix = PrefixIndex(block_tokens=16.0, correction_tolerance=0.0, correction_grace_s=5.0)
+    a = chain("a", 10)
+    ix.record(a, "w", now=0.0)
+    ix.record(a, "w2", now=0.0)
+    # long after recording, the worker reports only 3 blocks' worth cached
+    ix.correct("w", a, predicted_blocks=10, reported_tokens=3 * 16 + 5, now=100.0)
+    assert ix.match(a) == {"w": 3, "w2": 10}
+    stats = ix.stats("w")
+    assert (stats.predicted_tokens, stats.reported_tokens) == (160, 53)
+    assert stats.blocks == 3
+
+
+def test_correct_keeps_entries_when_report_matches() -> None:
+    ix = PrefixIndex(block_tokens=16.0)
+    a = chain("a", 10)
+    ix.record(a, "w", now=0.0)
+    # 10 % under-report is within the default tolerance (tokenizer ratio error)
+    ix.correct("w", a, predicted_blocks=10, reported_tokens=144, now=100.0)
+    assert ix.match(a) == {"w": 10}
+
+
+def test_correct_within_grace_does_not_trim() -> None:
+    ix = PrefixIndex(block_tokens=16.0, correction_grace_s=5.0)
+    a = chain("a", 10)
+    ix.record(a, "w", now=0.0)
+    ix.record(a, "w", now=1.0)  # a sibling dispatched while the first was in prefill
+    ix.correct("w", a, predicted_blocks=10, reported_tokens=0, now=2.0)
+    assert ix.match(a) == {"w": 10}
+    assert ix.stats("w").predicted_tokens == 160
+
+
+def test_correct_unknown_worker_is_ignored() -> None:
+    ix = PrefixIndex()
+    ix.correct("nobody", chain("a", 3), 3, 0)
+    assert ix.workers() == []
+
+
+def test_evict_idle() -> None:
+    ix = PrefixIndex()
+    old, new = chain("o", 4), chain("n", 4)
+    ix.record(old, "w", now=0.0)
+    ix.record(new, "w", now=50.0)
+    assert ix.evict_idle(now=60.0, max_idle_s=0) == 0
+    assert ix.evict_idle(now=60.0, max_idle_s=30.0) == 4
+    assert ix.match(old) == {}
+    assert ix.match(new) == {"w": 4}
+
+
+def test_stats_bytes_scale_with_blocks() -> None:
+    ix = PrefixIndex()
+    ix.record(chain("a", 100), "w")
+    stats = ix.stats("w")
+    assert stats.blocks == 100 and stats.approx_bytes > 100 * 50
+
+
+def reference_match(held: dict[str, set[int]], hashes: list[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for worker, blocks in held.items():
+        n = 0
+        while n < len(hashes) and hashes[n] in blocks:
+            n += 1
+        if n:
+            out[worker] = n
+    return out
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["record", "record", "record", "correct", "forget", "capacity"]),
+        st.sampled_from(["w0", "w1", "w2"]),
+        st.integers(0, 7),  # which prompt family
+        st.integers(1, 30),  # length in blocks
+        st.integers(0, 400),  # reported tokens / capacity
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(ops)
+def test_capacity_bound_and_match_consistency_under_random_traffic(
+    operations: list[tuple[str, str, int, int, int]],
+) -> None:
+    ix = PrefixIndex(block_tokens=16.0, default_capacity_blocks=40, correction_grace_s=0.0)
+    capacity = {"w0": 40, "w1": 40, "w2": 40}
+    families = [chain(f"f{k}", 30) for k in range(8)]
+    for step, (op, worker, family, length, number) in enumerate(operations):
+        hashes = families[family][:length]
+        if op == "record":
+            ix.record(hashes, worker, now=float(step))
+        elif op == "correct":
+            ix.correct(worker, hashes, length, number, now=float(step) + 1.0)
+        elif op == "forget":
+            ix.forget_worker(worker)
+            capacity[worker] = 40
+        else:
+            ix.set_capacity(worker, number)
+            capacity[worker] = max(1, -(-number // 16))
+        held = {w: set(ix._workers[w].lru) for w in ix.workers()}
+        for w, blocks in held.items():
+            assert len(blocks) <= capacity[w]
+        # the flat map holds exactly the union of the LRUs
+        assert set(ix._holders) == set().union(*held.values()) if held else not ix._holders
+        for fam in families:
+            assert ix.match(fam) == reference_match(held, fam)
