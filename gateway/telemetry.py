@@ -1,0 +1,480 @@
+"""Every metric and span of the gateway, behind named methods.
+
+One :class:`Telemetry` per gateway (built by the composition root, never global). It owns
+its own prometheus ``CollectorRegistry`` and, when tracing is on, its own OpenTelemetry
+``TracerProvider``.
+
+Request path (push, a few microseconds per request)::
+
+    rt = telemetry.begin_request(request_id, route, model, request.headers)
+    rt.decided(record)                    # after policy.select, once per attempt
+    headers.update(rt.upstream_headers()) # W3C traceparent, empty when tracing is off
+    rt.first_byte()                       # first chunk from the worker (TTFT)
+    rt.retried(worker, kind)              # an attempt failed and another worker is tried
+    rt.finish(status, reported_cached_tokens=n)
+
+Fleet figures (in-flight, queued, health flags, engine load, index size) are pulled at
+scrape time from a :data:`~gateway.telemetry_snapshot.SnapshotProvider`; see
+``telemetry_collector``. Worker label values are bounded by the registry: series of a
+worker absent from the snapshot are dropped at the next scrape, or at once by
+:meth:`Telemetry.forget_worker`.
+
+Label sets are bounded: ``route`` by the gateway's routes, ``status`` by HTTP,
+``policy``/``reason`` by the policies (``policies.base.REASONS``), ``kind`` and admission
+``reason`` by the constants below (other values are counted as ``other``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from gateway.decisions import DecisionOutcome, DecisionRecord
+from gateway.logging_setup import set_request_id
+from gateway.telemetry_collector import FleetCollector
+from gateway.telemetry_snapshot import FleetSnapshot, SnapshotProvider, empty_snapshot
+from gateway.telemetry_tracing import Tracing, TracingConfig
+
+NO_WORKER = "none"  # worker label of requests that never reached a worker
+OTHER = "other"
+UPSTREAM_ERROR_KINDS = frozenset({"connect", "timeout", "http_5xx", "http_429", "stream", OTHER})
+ADMISSION_REASONS = frozenset({"queue_full", "queue_timeout", OTHER})
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetryConfig:
+    """Telemetry settings. ``metrics=False`` and no tracing makes the request path free."""
+
+    metrics: bool = True
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    ttft_window: int = 512  # recent TTFT samples kept per worker for dashboard percentiles
+    ttft_window_s: float = 60.0  # and only those younger than this
+
+
+class _Metrics:
+    """The push-style prometheus metrics, registered in one registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            "gateway_requests_total",
+            "Finished requests.",
+            ["worker", "route", "status"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Request duration, arrival to last byte.",
+            ["worker"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Arrival to the worker's first byte.",
+            ["worker"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "gateway_routing_decisions_total",
+            "Routing decisions.",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.match_ratio = Histogram(
+            "gateway_prefix_match_ratio",
+            "Predicted cached share of the prompt at decision.",
+            ["policy"],
+            buckets=MATCH_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "gateway_worker_prompt_tokens_total",
+            "Estimated prompt tokens of finished requests.",
+            ["worker"],
+            registry=r,
+        )
+        self.predicted = Counter(
+            "gateway_worker_predicted_cached_tokens_total",
+            "Cached tokens the prefix index predicted for finished requests.",
+            ["worker"],
+            registry=r,
+        )
+        self.reported = Counter(
+            "gateway_worker_reported_cached_tokens_total",
+            "Cached tokens the worker reported (cached_tokens) for finished requests.",
+            ["worker"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "gateway_retries_total",
+            "Attempts retried on another worker.",
+            ["route"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "gateway_upstream_errors_total",
+            "Failed attempts at a worker.",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "gateway_worker_ejections_total", "Outlier ejections.", ["worker"], registry=r
+        )
+        self.admission_rejections = Counter(
+            "gateway_admission_rejections_total",
+            "Requests refused by admission.",
+            ["reason"],
+            registry=r,
+        )
+        self.per_worker = (
+            self.requests, self.duration, self.ttft, self.prompt_tokens, self.predicted,
+            self.reported, self.upstream_errors, self.ejections,
+        )  # fmt: skip
+
+
+class WorkerStats:
+    """Per-worker cached metric children plus plain figures for the dashboard."""
+
+    __slots__ = (
+        "_m",
+        "_predicted",
+        "_prompt",
+        "_reported",
+        "duration",
+        "errors",
+        "predicted_tokens",
+        "prompt_tokens",
+        "reported_prompt_tokens",
+        "reported_tokens",
+        "requests",
+        "requests_by_key",
+        "ttft",
+        "ttft_recent",
+        "worker",
+    )  # fmt: skip
+
+    def __init__(self, worker: str, metrics: _Metrics, window: int) -> None:
+        self.worker = worker
+        self._m = metrics
+        self.duration = metrics.duration.labels(worker)
+        self.ttft = metrics.ttft.labels(worker)
+        self._prompt = metrics.prompt_tokens.labels(worker)
+        self._predicted = metrics.predicted.labels(worker)
+        self._reported = metrics.reported.labels(worker)
+        self.requests_by_key: dict[tuple[str, int], Any] = {}
+        self.ttft_recent: deque[tuple[float, float]] = deque(maxlen=window)
+        self.requests = 0
+        self.errors = 0  # status >= 500
+        self.prompt_tokens = 0
+        self.predicted_tokens = 0
+        self.reported_prompt_tokens = 0  # prompt tokens of requests the worker reported on
+        self.reported_tokens = 0
+
+    def count(self, route: str, status: int) -> None:
+        """One finished request."""
+        child = self.requests_by_key.get((route, status))
+        if child is None:
+            child = self._m.requests.labels(self.worker, route, str(status))
+            self.requests_by_key[(route, status)] = child
+        child.inc()
+        self.requests += 1
+        if status >= 500:
+            self.errors += 1
+
+    def tokens(self, prompt: int, predicted: int, reported: int | None) -> None:
+        """Index fidelity figures of one successful request."""
+        self.prompt_tokens += prompt
+        self.predicted_tokens += predicted
+        self._prompt.inc(prompt)
+        self._predicted.inc(predicted)
+        if reported is not None:
+            self.reported_prompt_tokens += prompt
+            self.reported_tokens += reported
+            self._reported.inc(reported)
+
+
+class RequestTelemetry:
+    """Telemetry of one request; made by :meth:`Telemetry.begin_request`. Not reusable."""
+
+    __slots__ = (
+        "_first_byte", "_route", "_span", "_start", "_t", "model", "record", "request_id",
+        "retries",
+    )  # fmt: skip
+
+    def __init__(
+        self, t: Telemetry, request_id: str, route: str, model: str | None, span: Span | None
+    ) -> None:
+        self._t = t
+        self._route = route
+        self._span = span
+        self._start = time.perf_counter()
+        self._first_byte: float | None = None
+        self.request_id = request_id
+        self.model = model
+        self.record: DecisionRecord | None = None
+        self.retries = 0
+
+    def decided(self, record: DecisionRecord) -> None:
+        """A policy chose ``record.worker``; counts the decision. Call once per attempt."""
+        self.record = record
+        self._t._decision(record)
+        if self._span is not None:
+            s = self._span
+            s.set_attribute("gateway.policy", record.policy)
+            s.set_attribute("gateway.worker", record.worker)
+            s.set_attribute("gateway.reason", record.reason)
+            s.set_attribute("gateway.candidates", len(record.candidates))
+            s.set_attribute("gateway.matched_tokens", record.matched_tokens)
+            s.set_attribute("gateway.prompt_tokens", record.prompt_tokens)
+
+    def upstream_headers(self) -> Mapping[str, str]:
+        """Headers to add to the upstream request (W3C trace context); empty when off."""
+        if self._span is None:
+            return _NO_HEADERS
+        return self._t._tracing.inject(self._span)
+
+    def first_byte(self) -> None:
+        """The worker's first byte arrived: fixes TTFT (first call wins)."""
+        if self._first_byte is None:
+            self._first_byte = time.perf_counter()
+
+    def retried(self, worker: str, kind: str) -> None:
+        """An attempt at ``worker`` failed with ``kind`` and another worker will be tried."""
+        self.retries += 1
+        self._t._retry(self._route, worker, kind)
+
+    def upstream_failed(self, worker: str, kind: str) -> None:
+        """The last attempt at ``worker`` failed with ``kind`` (no retry follows)."""
+        self._t.upstream_error(worker, kind)
+
+    def finish(
+        self,
+        status: int,
+        *,
+        reported_cached_tokens: int | None = None,
+        ttft_s: float | None = None,
+    ) -> None:
+        """The response is over. ``ttft_s`` overrides the :meth:`first_byte` mark."""
+        end = time.perf_counter()
+        if ttft_s is None and self._first_byte is not None:
+            ttft_s = self._first_byte - self._start
+        duration = end - self._start
+        record = self.record
+        if record is not None:
+            record.outcome = DecisionOutcome(
+                status, ttft_s, reported_cached_tokens, self.retries, duration
+            )
+        self._t._finish(self, record, status, duration, ttft_s, reported_cached_tokens)
+        span = self._span
+        if span is not None:
+            self._span = None
+            _end_span(span, self, status, ttft_s, reported_cached_tokens)
+
+
+def _end_span(
+    span: Span, rt: RequestTelemetry, status: int, ttft_s: float | None, reported: int | None
+) -> None:
+    span.set_attribute("http.response.status_code", status)
+    span.set_attribute("gateway.retries", rt.retries)
+    if ttft_s is not None:
+        span.set_attribute("gateway.ttft_s", ttft_s)
+    if reported is not None:
+        span.set_attribute("gateway.reported_cached_tokens", reported)
+    span.end()
+
+
+class _NoopRequestTelemetry(RequestTelemetry):
+    """Used when metrics and tracing are both off: every method returns at once."""
+
+    __slots__ = ()
+
+    def decided(self, record: DecisionRecord) -> None:
+        self.record = record
+
+    def upstream_headers(self) -> Mapping[str, str]:
+        return _NO_HEADERS
+
+    def first_byte(self) -> None:
+        return None
+
+    def retried(self, worker: str, kind: str) -> None:
+        return None
+
+    def upstream_failed(self, worker: str, kind: str) -> None:
+        return None
+
+    def finish(
+        self,
+        status: int,
+        *,
+        reported_cached_tokens: int | None = None,
+        ttft_s: float | None = None,
+    ) -> None:
+        return None
+
+
+class Telemetry:
+    """Metrics, traces and dashboard figures of one gateway."""
+
+    def __init__(
+        self,
+        config: TelemetryConfig | None = None,
+        *,
+        snapshot: SnapshotProvider = empty_snapshot,
+        span_exporter: SpanExporter | None = None,
+    ) -> None:
+        self.config = config or TelemetryConfig()
+        self.registry = CollectorRegistry()
+        self._snapshot = snapshot
+        # Registered first: each scrape prunes removed workers before the push series.
+        self.registry.register(FleetCollector(snapshot, self._prune))
+        self._m = _Metrics(self.registry)
+        self._tracing = Tracing(self.config.tracing, span_exporter)
+        self._workers: dict[str, WorkerStats] = {}
+        self._error_workers: set[str] = set()  # labelled by errors or ejections only
+        self._decisions: dict[tuple[str, str], Any] = {}
+        self._match_ratio: dict[str, Any] = {}
+        self.reason_counts: dict[tuple[str, str], int] = {}  # (policy, reason) -> decisions
+        self._quiet = not self.config.metrics and not self._tracing.enabled
+
+    @property
+    def tracing_enabled(self) -> bool:
+        """Whether request spans are created."""
+        return self._tracing.enabled
+
+    # -- request path -----------------------------------------------------------------
+
+    def begin_request(
+        self,
+        request_id: str,
+        route: str,
+        model: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> RequestTelemetry:
+        """Start a request's telemetry; also binds ``request_id`` to this task's log lines.
+
+        ``route`` must come from a bounded set (the handler's path template).
+        """
+        set_request_id(request_id)
+        if self._quiet:
+            return _NoopRequestTelemetry(self, request_id, route, model, None)
+        span = None
+        if self._tracing.enabled:
+            attrs: dict[str, Any] = {"gateway.request_id": request_id, "http.route": route}
+            if model is not None:
+                attrs["gen_ai.request.model"] = model
+            span = self._tracing.start(route, headers, attrs)
+        return RequestTelemetry(self, request_id, route, model, span)
+
+    def _worker(self, worker: str) -> WorkerStats:
+        ws = self._workers.get(worker)
+        if ws is None:
+            ws = self._workers[worker] = WorkerStats(worker, self._m, self.config.ttft_window)
+        return ws
+
+    def _decision(self, record: DecisionRecord) -> None:
+        if not self.config.metrics:
+            return
+        key = (record.policy, record.reason)
+        child = self._decisions.get(key)
+        if child is None:
+            child = self._decisions[key] = self._m.decisions.labels(*key)
+        child.inc()
+        self.reason_counts[key] = self.reason_counts.get(key, 0) + 1
+        hist = self._match_ratio.get(record.policy)
+        if hist is None:
+            hist = self._match_ratio[record.policy] = self._m.match_ratio.labels(record.policy)
+        hist.observe(record.match_ratio)
+
+    def _finish(
+        self,
+        rt: RequestTelemetry,
+        record: DecisionRecord | None,
+        status: int,
+        duration: float,
+        ttft_s: float | None,
+        reported: int | None,
+    ) -> None:
+        if not self.config.metrics:
+            return
+        ws = self._worker(NO_WORKER if record is None else record.worker)
+        ws.count(rt._route, status)
+        ws.duration.observe(duration)
+        if ttft_s is not None:
+            ws.ttft.observe(ttft_s)
+            ws.ttft_recent.append((time.monotonic(), ttft_s))
+        if record is not None and status < 400:
+            ws.tokens(record.prompt_tokens, record.matched_tokens, reported)
+
+    def _retry(self, route: str, worker: str, kind: str) -> None:
+        if self.config.metrics:
+            self._m.retries.labels(route).inc()
+            self.upstream_error(worker, kind)
+
+    # -- events off the request path --------------------------------------------------
+
+    def upstream_error(self, worker: str, kind: str) -> None:
+        """A failed attempt at ``worker``; ``kind`` in :data:`UPSTREAM_ERROR_KINDS`."""
+        if self.config.metrics:
+            kind = kind if kind in UPSTREAM_ERROR_KINDS else OTHER
+            self._error_workers.add(worker)
+            self._m.upstream_errors.labels(worker, kind).inc()
+
+    def worker_ejected(self, worker: str) -> None:
+        """Outlier detection ejected ``worker``."""
+        if self.config.metrics:
+            self._error_workers.add(worker)
+            self._m.ejections.labels(worker).inc()
+
+    def admission_rejected(self, reason: str) -> None:
+        """Admission refused a request; ``reason`` in :data:`ADMISSION_REASONS`."""
+        if self.config.metrics:
+            reason = reason if reason in ADMISSION_REASONS else OTHER
+            self._m.admission_rejections.labels(reason).inc()
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop every series labelled with ``worker`` (it left the registry)."""
+        self._workers.pop(worker, None)
+        self._error_workers.discard(worker)
+        for metric in self._m.per_worker:
+            metric.remove_by_labels({"worker": worker})
+
+    def _prune(self, snap: FleetSnapshot) -> None:
+        known = {w.worker for w in snap.workers}
+        known.add(NO_WORKER)
+        labelled = self._workers.keys() | self._error_workers
+        for worker in [w for w in labelled if w not in known]:
+            self.forget_worker(worker)
+
+    # -- reading ----------------------------------------------------------------------
+
+    def snapshot(self) -> FleetSnapshot:
+        """The fleet as the snapshot provider sees it now."""
+        return self._snapshot()
+
+    def worker_stats(self) -> Mapping[str, WorkerStats]:
+        """Per-worker push figures (read-only use)."""
+        return self._workers
+
+    def render_prometheus(self) -> bytes:
+        """The registry in Prometheus text format (takes one fleet snapshot)."""
+        return generate_latest(self.registry)
+
+    def shutdown(self) -> None:
+        """Flush and stop span export. Idempotent."""
+        self._tracing.shutdown()
