@@ -1,0 +1,162 @@
+"""Command line: flags (sglang-router compatible) → config → uvloop → serve.
+
+Contract: ``main(argv)`` returns an exit code: 0 after a clean stop, 2 when the
+configuration is refused (the message names the key, the flag and the problem). Flags
+override the YAML file given with ``--config``. This is the only module that knows uvloop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import yaml
+
+from gateway.config import ConfigError, GatewayConfig, config_from_dict, merge, read_yaml
+
+# flag → (dotted config key, argparse options). Defaults live in gateway/config.py only;
+# a flag absent from the command line leaves the file's (or the default) value.
+_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "--host": ("server.host", {"help": "address to listen on (default 127.0.0.1)"}),
+    "--port": ("server.port", {"type": int, "help": "port to listen on (default 30000)"}),
+    "--worker-urls": ("workers", {"nargs": "+", "metavar": "URL",
+                                  "help": "worker URLs to register at start"}),
+    "--policy": ("policy.name", {"help": "routing policy (default min_ttft); unknown → refused"}),
+    "--cache-threshold": ("policy.cache_threshold", {"type": float,
+                          "help": "cache_aware: minimum match rate for a prefix hit (0.3)"}),
+    "--balance-abs-threshold": ("policy.balance_abs_threshold", {"type": int,
+                                "help": "cache_aware: absolute load gap for imbalance (64)"}),
+    "--balance-rel-threshold": ("policy.balance_rel_threshold", {"type": float,
+                                "help": "cache_aware: relative load ratio for imbalance (1.5)"}),
+    "--eviction-interval-secs": ("prefix_index.eviction_interval_s", {"type": float,
+                                 "help": "seconds between prefix index sweeps (60)"}),
+    "--max-tree-size": ("prefix_index.max_tree_size", {"type": int,
+                        "help": "indexed prompt characters per worker (67108864)"}),
+    "--api-key": ("server.api_key", {"help": "require Authorization: Bearer KEY"}),
+    "--request-timeout-secs": ("server.request_timeout_s", {"type": float,
+                               "help": "bound on one worker attempt (1800)"}),
+    "--health-check-interval-secs": ("health.interval_s", {"type": float,
+                                     "help": "seconds between active probes (5)"}),
+    "--health-check-timeout-secs": ("health.timeout_s", {"type": float,
+                                    "help": "probe timeout (2)"}),
+    "--health-failure-threshold": ("health.failure_threshold", {"type": int,
+                                   "help": "consecutive failed probes to flag a worker (3)"}),
+    "--health-success-threshold": ("health.success_threshold", {"type": int,
+                                   "help": "consecutive passed probes to clear it (2)"}),
+    "--health-check-endpoint": ("health.endpoint", {
+        "help": "probe path (/health); /ping is cheaper on SGLang 0.5.23"}),
+    "--retry-max-retries": ("retry.max_retries", {"type": int,
+                            "help": "further attempts on other workers (3)"}),
+    "--max-concurrent-requests": ("admission.max_concurrent_requests", {"type": int,
+                                  "help": "requests proxied at once; 0 or -1 unlimited (0)"}),
+    "--queue-size": ("admission.queue_size", {"type": int,
+                     "help": "requests waiting for a slot; more get 429 (100)"}),
+    "--queue-timeout-secs": ("admission.queue_timeout_s", {"type": float,
+                             "help": "wait for a slot before 503 (60)"}),
+    "--max-payload-size": ("server.max_payload_size", {"type": int,
+                           "help": "largest request body in bytes; more get 413 (64 MiB)"}),
+    "--request-id-headers": ("server.request_id_headers", {"nargs": "+", "metavar": "HEADER",
+                             "help": "headers naming the request id, in order"}),
+    "--log-level": ("server.log_level", {"help": "debug, info, warning, error (info)"}),
+    "--load-poll-interval-secs": ("load.poll_interval_s", {"type": float,
+                                  "help": "seconds between engine load polls; 0 off (1)"}),
+}
+_KEY_TO_FLAG = {key: flag for flag, (key, _) in _FLAGS.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefix-gateway",
+        description="Prefix-aware gateway for SGLang workers (sglang-router compatible flags).",
+    )
+    parser.add_argument("--config", metavar="PATH", help="YAML file (see config/gateway.yaml)")
+    for flag, (key, options) in _FLAGS.items():
+        options.setdefault("metavar", "VALUE")
+        parser.add_argument(flag, dest=key, default=argparse.SUPPRESS, **options)
+    parser.add_argument(
+        "--policy-arg", dest="policy_args", action="append", default=[], metavar="KEY=VALUE",
+        help="extra policy parameter (repeatable); VALUE is read as YAML (number, bool, str)",
+    )
+    return parser
+
+
+def _policy_params(pairs: Sequence[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"policy.params (--policy-arg): expected KEY=VALUE, got {pair!r}")
+        try:
+            params[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            params[key.strip()] = raw
+    return params
+
+
+def _name_flag(exc: ConfigError) -> str:
+    message = str(exc)
+    where, sep, problem = message.partition(":")
+    flag = _KEY_TO_FLAG.get(where.split("[", 1)[0])
+    return f"{where} ({flag}){sep}{problem}" if flag and sep else message
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+    """Flags and file → validated config; ConfigError names the key and flag."""
+    args = vars(build_parser().parse_args(argv))
+    config_path = args.pop("config", None)
+    policy_args = args.pop("policy_args", [])
+    base = read_yaml(config_path) if config_path else {}
+    overrides: dict[str, Any] = dict(args)
+    if policy_args:
+        overrides["policy.params"] = _policy_params(policy_args)
+    try:
+        config = config_from_dict(merge(base, overrides))
+        from gateway.app import make_policy
+
+        make_policy(config.policy)  # refuse bad policy parameters before starting
+        return config
+    except ConfigError as exc:
+        raise ConfigError(_name_flag(exc)) from None
+
+
+def _configure_logging(level: str) -> None:
+    name = "WARNING" if level.lower() == "warn" else level.upper()
+    logging.basicConfig(
+        level=getattr(logging, name),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"prefix-gateway: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    _configure_logging(config.server.log_level)
+    from gateway.server import serve
+
+    with (
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        contextlib.suppress(KeyboardInterrupt),
+    ):
+        runner.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

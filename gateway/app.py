@@ -1,0 +1,143 @@
+"""The composition root: builds every component from the config and wires them together.
+
+Contract: :func:`build_app` returns an ``aiohttp`` application whose components are
+reachable only through the typed keys of ``gateway.keys``. Components without I/O are
+built at once; the client session and everything that uses it are built at startup in a
+``cleanup_ctx`` and torn down at shutdown in reverse order (loops cancelled, pending
+aborts cancelled, session closed). This module and ``policies.registry`` are the only ones
+that know concrete policy classes; nothing here is module-level state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway import admin, keys, server
+from gateway.admission import Admission
+from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
+from gateway.decisions import DecisionLog
+from gateway.health import HealthChecker
+from gateway.load import LoadPoller
+from gateway.outlier import OutlierDetector
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import Worker, WorkerRegistry
+from gateway.request import RequestSettings
+from gateway.router import NoCosts, Router
+from gateway.tasks import TaskSet
+from policies.base import Policy
+from policies.registry import POLICIES, create_policy
+
+# sglang-router's cache_aware flags, handed to any policy whose constructor takes them.
+_COMPAT_PARAMS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+OUTLIER_SWEEP_S = 0.5  # how soon an expired ejection is lifted
+
+
+def make_policy(cfg: PolicyConfig) -> Policy:
+    """The configured policy; ConfigError names the problem (unknown name, bad params)."""
+    cls = POLICIES.get(cfg.name)
+    if cls is None:
+        raise ConfigError(f"policy.name: unknown policy {cfg.name!r}")
+    accepted = inspect.signature(cls).parameters
+    params: dict[str, Any] = {k: getattr(cfg, k) for k in _COMPAT_PARAMS if k in accepted}
+    params.update(cfg.params)
+    try:
+        return create_policy(cfg.name, **params)
+    except ValueError as exc:
+        raise ConfigError(f"policy.params: {exc}") from None
+
+
+def build_app(config: GatewayConfig, *, clock: Callable[[], float] = time.monotonic,
+              rng: random.Random | None = None) -> web.Application:
+    app = web.Application(client_max_size=config.server.max_payload_size,
+                          middlewares=[server.make_middleware(config)])
+    registry = WorkerRegistry(config.outlier.panic_threshold, clock)
+    for url in config.workers:
+        registry.add(validate_worker_url(url))
+    req = config.request
+    app[keys.CONFIG] = config
+    app[keys.REGISTRY] = registry
+    app[keys.SETTINGS] = RequestSettings(
+        chars_per_token=req.chars_per_token, block_chars=req.block_chars,
+        routing_key_headers=tuple(h.lower() for h in req.routing_key_headers),
+        routing_key_from_user=req.routing_key_from_user)
+    app[keys.ADMISSION] = Admission(config.admission)
+    app[keys.DECISIONS] = DecisionLog(config.decisions.ring_size)
+    app[keys.TASKS] = TaskSet()
+    policy = make_policy(config.policy)
+    app.cleanup_ctx.append(lambda a: _runtime(a, policy, rng or random.Random(config.policy.seed)))
+    server.add_routes(app)
+    admin.add_routes(app)
+    return app
+
+
+def _session(config: GatewayConfig) -> aiohttp.ClientSession:
+    # One session for the app's life. No global connection cap (admission bounds that);
+    # per worker, enough kept-alive connections for its concurrency.
+    connector = aiohttp.TCPConnector(limit=0,
+                                     limit_per_host=config.server.connections_per_worker,
+                                     keepalive_timeout=60.0)
+    # auto_decompress off: bodies are relayed byte for byte, encoding header included.
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                 timeout=aiohttp.ClientTimeout(total=None))
+
+
+async def _runtime(app: web.Application, policy: Policy,
+                   rng: random.Random) -> AsyncIterator[None]:
+    config = app[keys.CONFIG]
+    registry = app[keys.REGISTRY]
+    session = _session(config)
+    index = PrefixIndex(
+        block_tokens=config.request.block_chars / config.request.chars_per_token,
+        max_blocks_per_worker=max(1, config.prefix_index.max_tree_size
+                                  // config.request.block_chars),
+        clock=registry.clock)
+    costs = NoCosts()
+    health = HealthChecker(config.health, registry, session)
+    load = LoadPoller(config.load, registry, session, config.health.timeout_s)
+    outlier = OutlierDetector(config.outlier, registry, registry.clock)
+
+    def set_capacity(worker: Worker) -> None:
+        if worker.metadata.capacity_tokens:
+            index.set_capacity(worker.id, worker.metadata.capacity_tokens)
+
+    def forget(worker: Worker) -> None:
+        index.forget_worker(worker.id)
+        load.forget(worker)
+
+    health.on_metadata.append(set_capacity)
+    load.on_capacity.append(set_capacity)
+    registry.on_removed(forget)
+    app[keys.SESSION] = session
+    app[keys.HEALTH] = health
+    app[keys.ROUTER] = Router(
+        config=config, registry=registry, policy=policy, index=index, costs=costs,
+        outlier=outlier, session=session, decisions=app[keys.DECISIONS],
+        spawn=app[keys.TASKS].spawn, rng=rng)
+    loops = TaskSet()
+    loops.spawn(health.run(), "health")
+    if config.load.poll_interval_s > 0:
+        loops.spawn(load.run(), "load")
+    loops.spawn(_every(OUTLIER_SWEEP_S, outlier.sweep), "outlier")
+    loops.spawn(_every(config.prefix_index.eviction_interval_s,
+                       lambda: index.evict_idle(registry.clock(),
+                                                config.prefix_index.max_idle_s)), "index")
+    try:
+        yield
+    finally:
+        await loops.close()
+        await app[keys.TASKS].close()
+        await session.close()
+
+
+async def _every(interval_s: float, action: Callable[[], object]) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        action()

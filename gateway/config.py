@@ -1,0 +1,388 @@
+"""Typed gateway configuration: defaults with their reasons, loading, validation.
+
+Contract: a :class:`GatewayConfig` is built once at the edge (``load_config``) from a YAML
+file and CLI flags (flags override the file) and is immutable afterwards. Every problem is
+reported as :class:`ConfigError` naming the key (and the flag, when one exists) and what is
+wrong; nothing downstream re-validates. The YAML layout mirrors the dataclasses: one
+section per dataclass, one key per field (``config/gateway.yaml`` documents them all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the key and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    # Loopback by default: exposing the gateway must be a deliberate choice.
+    host: str = "127.0.0.1"
+    port: int = 30000  # sglang-router's default, so clients need no change
+    # When set, every API and admin request needs `Authorization: Bearer <key>`
+    # (health, readiness and metrics stay open for probes and scrapes).
+    api_key: str | None = None
+    # Bodies are read whole before routing; 64 MiB holds a long prompt with base64 images.
+    max_payload_size: int = 64 * 1024 * 1024
+    # Checked in order; the first present names the request (sglang-router's list).
+    request_id_headers: tuple[str, ...] = (
+        "x-request-id",
+        "x-correlation-id",
+        "x-trace-id",
+        "request-id",
+    )
+    log_level: str = "info"  # no per-request line is ever logged at INFO
+    # Whole-request bound for one worker attempt (sglang-router's default, 30 min):
+    # long generations are legitimate; hung workers are caught by health checks.
+    request_timeout_s: float = 1800.0
+    # A worker that does not accept a connection within this is treated as down.
+    connect_timeout_s: float = 5.0
+    # Fire-and-forget `/abort_request` after a client disconnect is bounded by this.
+    abort_timeout_s: float = 2.0
+    # Connections kept alive per worker; sized for the concurrency one worker sustains.
+    connections_per_worker: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    name: str = "min_ttft"  # estimated time to first token: hit rate and tail latency
+    # sglang-router's cache_aware flags and CLI defaults; handed to any policy whose
+    # constructor accepts them.
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    # Extra constructor parameters for the chosen policy (`--policy-arg KEY=VALUE`).
+    params: Mapping[str, Any] = field(default_factory=dict)
+    # Seed for the policies' rng; None draws one at start. Set it for reproducible runs.
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixIndexConfig:
+    # How often idle index entries are swept (sglang-router's default, 60 s).
+    eviction_interval_s: float = 60.0
+    # Bound on indexed prompt characters per worker (sglang-router's default, 64 Mi);
+    # the per-worker KV capacity reported by the worker bounds it further.
+    max_tree_size: int = 67108864
+    # Entries untouched this long are dropped at each sweep: an engine keeps idle prefixes
+    # until memory pressure, so only stale entries (e.g. a restarted worker's) should go.
+    max_idle_s: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestConfig:
+    # Prompt length in tokens is estimated from characters until a worker reports better;
+    # 4 characters per token is typical of English text with BPE tokenizers.
+    chars_per_token: float = 4.0
+    # Prefix blocks of 64 characters, about 16 tokens: fine enough for chat turns,
+    # coarse enough that a 512k-character prompt hashes in well under 2 ms.
+    block_chars: int = 64
+    # Headers carrying a session / routing key (lower case), checked in order.
+    routing_key_headers: tuple[str, ...] = ("x-session-id", "x-smg-routing-key")
+    routing_key_from_user: bool = True  # the OpenAI `user` field is a routing key too
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    interval_s: float = 5.0  # a dead worker is flagged within interval x failure_threshold
+    timeout_s: float = 2.0  # SGLang's /health runs a 1-token generation: allow ≥ 1 s
+    failure_threshold: int = 3  # consecutive failed probes before flagging (sglang-router's)
+    success_threshold: int = 2  # consecutive passed probes before clearing (sglang-router's)
+    # `/health` generates one token; `/ping` is a cheap flag check on SGLang 0.5.23.
+    endpoint: str = "/health"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    # Engine load polled from /v1/loads (else /get_load, then /metrics); 0 disables.
+    # 1 s keeps queue figures fresh at negligible cost (one small GET per worker).
+    poll_interval_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierConfig:
+    # A refused or failed connection means nothing serves there: eject at once.
+    consecutive_connect_errors: int = 1
+    consecutive_5xx: int = 5  # Envoy's default for gateway failures
+    base_ejection_s: float = 10.0  # ejection lasts base x times ejected ...
+    max_ejection_s: float = 300.0  # ... up to this; the count resets after this much calm
+    # At most this share of workers ejected at once (at least one is always allowed).
+    max_ejected_share: float = 0.5
+    # Below this share of healthy workers, route to every non-draining worker (panic):
+    # better to try all than to refuse all when health signals themselves are failing.
+    panic_threshold: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    # Further attempts after the first, each on a different worker, and only before any
+    # byte reached the client.
+    max_retries: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    # Requests proxied at once; 0 (or -1, sglang-router's spelling) means unlimited.
+    max_concurrent_requests: int = 0
+    queue_size: int = 100  # waiting requests beyond the limit; more get 429
+    queue_timeout_s: float = 60.0  # a waiting request gets 503 after this
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionsConfig:
+    # Routing decisions kept in memory for /debug and telemetry (bounded ring).
+    ring_size: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    workers: tuple[str, ...] = ()  # worker URLs registered at start
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    request: RequestConfig = field(default_factory=RequestConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    decisions: DecisionsConfig = field(default_factory=DecisionsConfig)
+
+
+# --- URL validation (shared with the admin API) -------------------------------------
+
+
+def validate_worker_url(url: object) -> str:
+    """Return the URL normalised (no trailing slash) or raise ValueError saying why."""
+    if not isinstance(url, str) or not url:
+        raise ValueError("a worker URL must be a non-empty string")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"worker URL {url!r} has no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"worker URL {url!r} has an invalid port") from None
+    if port is None:
+        raise ValueError(f"worker URL {url!r} needs an explicit port")
+    if parts.query or parts.fragment:
+        raise ValueError(f"worker URL {url!r} must not carry a query or fragment")
+    return url.strip().rstrip("/")
+
+
+# --- building from plain data -------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ConfigError names ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split() if v]
+        if not isinstance(value, Sequence):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, str) for i, v in enumerate(value))
+    if origin in (Mapping, dict) or tp is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {str(k): v for k, v in value.items()}
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # pragma: no cover
+
+
+def _build(cls: type[Any], data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(
+                f"{prefix}{key}: unknown key; known keys here: {', '.join(sorted(names))}"
+            )
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, data[f.name] or {}, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        else:
+            kwargs[f.name] = _coerce(prefix + f.name, data[f.name], tp)
+    return cls(**kwargs)
+
+
+def _check(ok: bool, key: str, problem: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}, got {value!r}")
+
+
+def validate(cfg: GatewayConfig) -> None:
+    """Cross-field and range checks; raises ConfigError naming the key."""
+    s = cfg.server
+    _check(1 <= s.port <= 65535, "server.port", "must be in 1..65535", s.port)
+    _check(bool(s.host), "server.host", "must not be empty", s.host)
+    _check(s.max_payload_size > 0, "server.max_payload_size", "must be > 0", s.max_payload_size)
+    _check(s.log_level.lower() in LOG_LEVELS, "server.log_level",
+           f"must be one of {', '.join(LOG_LEVELS)}", s.log_level)
+    _check(len(s.request_id_headers) > 0, "server.request_id_headers", "must not be empty",
+           s.request_id_headers)
+    for key, value in (
+        ("server.request_timeout_s", s.request_timeout_s),
+        ("server.connect_timeout_s", s.connect_timeout_s),
+        ("server.abort_timeout_s", s.abort_timeout_s),
+        ("health.interval_s", cfg.health.interval_s),
+        ("health.timeout_s", cfg.health.timeout_s),
+        ("prefix_index.eviction_interval_s", cfg.prefix_index.eviction_interval_s),
+        ("prefix_index.max_idle_s", cfg.prefix_index.max_idle_s),
+        ("request.chars_per_token", cfg.request.chars_per_token),
+        ("outlier.base_ejection_s", cfg.outlier.base_ejection_s),
+        ("outlier.max_ejection_s", cfg.outlier.max_ejection_s),
+        ("admission.queue_timeout_s", cfg.admission.queue_timeout_s),
+    ):
+        _check(value > 0, key, "must be > 0", value)
+    _check(s.connections_per_worker >= 1, "server.connections_per_worker", "must be ≥ 1",
+           s.connections_per_worker)
+    if s.api_key is not None:
+        _check(bool(s.api_key), "server.api_key", "must not be empty when set", s.api_key)
+    for i, url in enumerate(cfg.workers):
+        try:
+            validate_worker_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"workers[{i}]: {exc}") from None
+    _validate_policy(cfg.policy)
+    h = cfg.health
+    _check(h.endpoint.startswith("/"), "health.endpoint", "must start with '/'", h.endpoint)
+    _check(h.failure_threshold >= 1, "health.failure_threshold", "must be ≥ 1",
+           h.failure_threshold)
+    _check(h.success_threshold >= 1, "health.success_threshold", "must be ≥ 1",
+           h.success_threshold)
+    _check(cfg.load.poll_interval_s >= 0, "load.poll_interval_s", "must be ≥ 0 (0 disables)",
+           cfg.load.poll_interval_s)
+    _check(cfg.prefix_index.max_tree_size > 0, "prefix_index.max_tree_size", "must be > 0",
+           cfg.prefix_index.max_tree_size)
+    _check(cfg.request.block_chars >= 1, "request.block_chars", "must be ≥ 1",
+           cfg.request.block_chars)
+    _validate_outlier(cfg.outlier)
+    _check(cfg.retry.max_retries >= 0, "retry.max_retries", "must be ≥ 0",
+           cfg.retry.max_retries)
+    a = cfg.admission
+    _check(a.max_concurrent_requests >= -1, "admission.max_concurrent_requests",
+           "must be ≥ 0 (0 or -1: unlimited)", a.max_concurrent_requests)
+    _check(a.queue_size >= 0, "admission.queue_size", "must be ≥ 0", a.queue_size)
+    _check(cfg.decisions.ring_size >= 1, "decisions.ring_size", "must be ≥ 1",
+           cfg.decisions.ring_size)
+
+
+def _validate_policy(p: PolicyConfig) -> None:
+    # Imported here: policies are pure and cheap, but config must not fix their table.
+    from policies.registry import policy_names
+
+    names = policy_names()
+    _check(p.name in names, "policy.name", f"unknown policy; choose one of {', '.join(names)}",
+           p.name)
+    _check(0.0 <= p.cache_threshold <= 1.0, "policy.cache_threshold", "must be in 0..1",
+           p.cache_threshold)
+    _check(p.balance_abs_threshold >= 0, "policy.balance_abs_threshold", "must be ≥ 0",
+           p.balance_abs_threshold)
+    _check(p.balance_rel_threshold >= 1.0, "policy.balance_rel_threshold", "must be ≥ 1",
+           p.balance_rel_threshold)
+
+
+def _validate_outlier(o: OutlierConfig) -> None:
+    _check(o.consecutive_connect_errors >= 1, "outlier.consecutive_connect_errors",
+           "must be ≥ 1", o.consecutive_connect_errors)
+    _check(o.consecutive_5xx >= 1, "outlier.consecutive_5xx", "must be ≥ 1", o.consecutive_5xx)
+    _check(o.max_ejection_s >= o.base_ejection_s, "outlier.max_ejection_s",
+           "must be ≥ outlier.base_ejection_s", o.max_ejection_s)
+    _check(0.0 <= o.max_ejected_share <= 1.0, "outlier.max_ejected_share", "must be in 0..1",
+           o.max_ejected_share)
+    _check(0.0 <= o.panic_threshold <= 1.0, "outlier.panic_threshold", "must be in 0..1",
+           o.panic_threshold)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
+    """Build and validate a config from nested plain data (YAML, overrides merged)."""
+    cfg: GatewayConfig = _build(GatewayConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The YAML file as nested plain data; ConfigError when unreadable or not a mapping."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping at the top level")
+    return data
+
+
+def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply dotted-key ``overrides`` (``"health.interval_s": 1``) onto nested ``base``."""
+    out: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in base.items()}
+    for dotted, value in overrides.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {} if child is None else child
+                if not isinstance(child, dict):
+                    raise ConfigError(f"{part}: expected a mapping, got {child!r}")
+                node[part] = child
+            node = child
+        if leaf == "params" and isinstance(value, Mapping):
+            current = node.get(leaf) or {}
+            if not isinstance(current, Mapping):
+                raise ConfigError(f"{dotted}: expected a mapping, got {current!r}")
+            value = {**current, **value}
+        node[leaf] = value
+    return out

@@ -1,0 +1,30 @@
+"""Typed application keys: how handlers reach the components the composition root built.
+
+Contract: ``gateway.app`` sets every key (the configuration and registry when the app is
+built, the rest in its ``cleanup_ctx`` at startup, once the client session exists);
+handlers only read them. No module keeps component instances of its own.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from gateway.admission import Admission
+from gateway.config import GatewayConfig
+from gateway.decisions import DecisionLog
+from gateway.health import HealthChecker
+from gateway.registry import WorkerRegistry
+from gateway.request import RequestSettings
+from gateway.router import Router
+from gateway.tasks import TaskSet
+
+CONFIG = web.AppKey("config", GatewayConfig)
+REGISTRY = web.AppKey("registry", WorkerRegistry)
+SETTINGS = web.AppKey("request_settings", RequestSettings)
+ADMISSION = web.AppKey("admission", Admission)
+DECISIONS = web.AppKey("decisions", DecisionLog)
+TASKS = web.AppKey("tasks", TaskSet)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+HEALTH = web.AppKey("health", HealthChecker)
+ROUTER = web.AppKey("router", Router)

@@ -1,0 +1,215 @@
+"""Forwarding one attempt to one worker, and relaying its answer to the client.
+
+Contract:
+- :func:`send` posts the body to the worker and returns its response head, or raises
+  :class:`AttemptFailed` (``connect``: nothing reached the worker or it hung up before
+  answering; ``timeout``). Nothing has reached the client then, so the router may retry.
+- :func:`relay` sends the worker's answer to the client and returns the outcome.
+  * A 5xx or 429 head is reported as ``AttemptFailed("status")`` (body read, connection
+    reusable) unless ``final``, so the router can try another worker.
+  * SSE (``200`` + ``text/event-stream``): the client's response is prepared only at the
+    worker's first chunk, so a worker that fails before it is still retryable; the first
+    chunk marks time to first token. Then chunks are written as they arrive
+    (``readany`` → ``write``, which awaits the transport's drain: back-pressure). Only
+    whole events are written: a trailing partial event waits for its end, so a failure
+    mid-stream is followed by exactly one SGLang error event and ``data: [DONE]``.
+  * Anything else is read whole and relayed as is (status, body, content type).
+- Client disconnect (write fails, or the handler is cancelled): the upstream connection is
+  closed and ``/abort_request`` is sent to the worker in the background; the caller's lease
+  is released by the caller's ``finally``.
+- Both sockets have TCP_NODELAY: aiohttp's ``BaseProtocol.connection_made`` sets it on the
+  server's accepted sockets and the client's connections alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.errors import stream_error_event
+
+# Never forwarded in either direction (RFC 9110 §7.6.1), plus lengths aiohttp recomputes.
+HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    }
+)
+_NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_CACHED_MARK = b'"cached_tokens"'
+_DONE = b"data: [DONE]"
+_EVENT_END = b"\n\n"
+
+
+class AttemptFailed(Exception):
+    """One attempt failed before any byte reached the client."""
+
+    def __init__(self, kind: str, message: str, status: int = 0, body: bytes = b"",
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind  # "connect" | "timeout" | "status" | "dropped"
+        self.message = message
+        self.status = status
+        self.body = body
+        self.headers = dict(headers or {})
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one relayed answer turned out to be."""
+
+    status: int = 0
+    ttft_s: float | None = None
+    cached_tokens: int | None = None  # as the worker reported it
+    failed_mid_stream: bool = False
+    client_gone: bool = False
+
+
+def upstream_headers(headers: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
+    """The client's headers minus hop-by-hop ones, with the request id set."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        if key.lower() not in HOP_BY_HOP:
+            out.add(key, value)
+    out["x-request-id"] = request_id
+    if "content-type" not in out:
+        out["content-type"] = "application/json"  # SGLang refuses anything else
+    return out
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: bytes,
+               headers: CIMultiDict[str], limits: aiohttp.ClientTimeout
+               ) -> aiohttp.ClientResponse:
+    try:
+        return await session.post(url, data=body, headers=headers, timeout=limits)
+    except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            raise AttemptFailed("connect", f"connecting to the worker timed out: {exc}") from exc
+        raise AttemptFailed("timeout", "the worker timed out") from exc
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise AttemptFailed("connect", f"the worker is unreachable: {exc}") from exc
+
+
+def cached_tokens(data: bytes) -> int | None:
+    """The last ``"cached_tokens": N`` in ``data`` (usage details or ``meta_info``)."""
+    found = _CACHED.findall(data)
+    return int(found[-1]) if found else None
+
+
+def _response_headers(upstream: aiohttp.ClientResponse,
+                      extra: Mapping[str, str]) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in upstream.headers.items():
+        if key.lower() not in _NOT_RELAYED:
+            out.add(key, value)
+    out.update(extra)
+    return out
+
+
+async def relay(request: web.Request, upstream: aiohttp.ClientResponse, *, stream: bool,
+                final: bool, extra_headers: Mapping[str, str], started: float,
+                on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, Outcome]:
+    """Relay ``upstream`` to the client (see the module contract)."""
+    status = upstream.status
+    if (status >= 500 or status == 429) and not final:
+        body = await _read_body(upstream)
+        raise AttemptFailed("status", f"the worker answered {status}", status, body,
+                            upstream.headers)
+    ctype = upstream.headers.get("content-type", "")
+    if stream and status == 200 and ctype.startswith("text/event-stream"):
+        return await _relay_sse(request, upstream, extra_headers, started, on_first_byte)
+    body = await _read_body(upstream)
+    on_first_byte()
+    response = web.Response(status=status, body=body,
+                            headers=_response_headers(upstream, extra_headers))
+    return response, Outcome(status=status, cached_tokens=cached_tokens(body))
+
+
+async def _read_body(upstream: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await upstream.read()
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+        raise AttemptFailed("dropped", f"the worker dropped the connection: {exc}") from exc
+    except TimeoutError as exc:
+        raise AttemptFailed("timeout", "the worker timed out") from exc
+
+
+async def _first_chunk(upstream: aiohttp.ClientResponse) -> bytes:
+    try:
+        chunk = await upstream.content.readany()
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+        raise AttemptFailed("dropped", f"the worker dropped the stream: {exc}") from exc
+    except TimeoutError as exc:
+        raise AttemptFailed("timeout", "the worker timed out before its first token") from exc
+    if not chunk:
+        raise AttemptFailed("dropped", "the worker closed the stream before any event")
+    return chunk
+
+
+async def _relay_sse(request: web.Request, upstream: aiohttp.ClientResponse,
+                     extra_headers: Mapping[str, str], started: float,
+                     on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, Outcome]:
+    chunk = await _first_chunk(upstream)
+    outcome = Outcome(status=200, ttft_s=time.perf_counter() - started)
+    on_first_byte()
+    response = web.StreamResponse(status=200, headers=_response_headers(upstream, extra_headers))
+    await _client_write(response, response.prepare(request))
+    pending = b""  # a trailing partial event, held until its end arrives
+    last_usage = b""
+    last = chunk
+    try:
+        while chunk:
+            if _CACHED_MARK in chunk:
+                last_usage = chunk
+            last = chunk
+            if pending or not chunk.endswith(_EVENT_END):
+                chunk = pending + chunk
+                cut = chunk.rfind(_EVENT_END) + 2
+                pending, chunk = chunk[cut:], chunk[:cut]
+            if chunk:
+                await _client_write(response, response.write(chunk))
+            chunk = await upstream.content.readany()
+        if _DONE not in last:
+            raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError,
+            TimeoutError) as exc:
+        outcome.failed_mid_stream = True
+        code, message = (504, "the worker timed out mid-stream") if isinstance(
+            exc, TimeoutError) else (502, f"the worker failed mid-stream: {exc}")
+        await _client_write(response, response.write(stream_error_event(code, message)))
+    outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
+    await _client_write(response, response.write_eof())
+    return response, outcome
+
+
+class ClientGone(Exception):
+    """The client went away while ``response`` (already prepared) was being written."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("the client went away")
+        self.response = response
+
+
+async def _client_write(response: web.StreamResponse, write: Awaitable[object]) -> None:
+    try:
+        await write
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+        raise ClientGone(response) from exc
+
+
+async def abort(session: aiohttp.ClientSession, url: str, rid: str, timeout_s: float) -> None:
+    """Ask the worker to stop ``rid`` (fire and forget: errors are ignored)."""
+    try:
+        async with session.post(url + "/abort_request", json={"rid": rid},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, TimeoutError, OSError, asyncio.CancelledError):
+        pass

@@ -1,0 +1,283 @@
+"""The request path: candidates → prefix match → ``policy.select`` → record → lease →
+forward → relay → feedback, with retries on a different worker.
+
+Contract:
+- Candidates are the registry's routable workers (or its panic set) minus the workers
+  that already failed this request.
+- The prefix index is matched only when the policy says it uses the match
+  (``Policy.uses_prefix_match``), and recorded at dispatch, before the worker answers, so
+  a burst of requests sharing a prefix co-locates.
+- An attempt that fails before any byte reached the client (connect error, timeout while
+  connecting, a 5xx or 429 answer, a stream dropped before its first event) is retried on
+  another worker, at most ``max_retries`` times; never once streaming has begun. When
+  attempts run out the last failure is answered: the worker's own 5xx/429 as is, 502 for
+  a worker that could not be reached, 504 for a timeout; 503 when no worker is routable.
+- Every attempt's outcome feeds outlier detection; the final one feeds the cost model
+  (TTFT of streamed requests) and index correction (the worker's reported cached tokens),
+  and completes the request's :class:`~gateway.decisions.DecisionRecord`.
+- The lease is released exactly once on every path, including client disconnects, after
+  which the worker is sent ``/abort_request`` for the request's rid.
+- Hooks (:class:`RouterHooks`) let telemetry observe without the router knowing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from gateway import proxy
+from gateway.config import GatewayConfig
+from gateway.decisions import DecisionLog, DecisionOutcome, DecisionRecord
+from gateway.errors import GatewayError
+from gateway.lease import Lease
+from gateway.outlier import (
+    OUTCOME_5XX,
+    OUTCOME_CONNECT_ERROR,
+    OUTCOME_SUCCESS,
+    OutlierDetector,
+)
+from gateway.registry import Worker, WorkerRegistry
+from gateway.request import ApiKind, RouteRequest
+from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
+
+log = logging.getLogger(__name__)
+
+_NO_WORKER = "no worker is available to serve this request"
+
+
+class PrefixMatcher(Protocol):
+    """What the router needs of the prefix index (``gateway.prefix_index.PrefixIndex``)."""
+
+    def match(self, block_hashes: Sequence[int]) -> Mapping[str, int]: ...
+    def record(self, block_hashes: Sequence[int], worker_id: str) -> None: ...
+    def correct(self, worker_id: str, block_hashes: Sequence[int], predicted_blocks: int,
+                reported_tokens: int) -> Any: ...
+
+
+class CostSource(Protocol):
+    """What the router needs of the cost model (``gateway.cost_model.CostModel``)."""
+
+    def observe(self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int,
+                ttft_s: float) -> Any: ...
+    def cost(self, worker_id: str) -> WorkerCost: ...
+
+
+class NoCosts:
+    """A cost source that knows nothing: policies fall back to their defaults."""
+
+    def observe(self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int,
+                ttft_s: float) -> None:
+        return None
+
+    def cost(self, worker_id: str) -> WorkerCost:
+        return _NO_COST
+
+
+_NO_COST = WorkerCost()
+
+
+class RouterHooks:
+    """Telemetry's view of the request path; every method is a no-op here."""
+
+    def decided(self, record: DecisionRecord) -> None:
+        """A policy chose a worker (one call per attempt)."""
+
+    def attempt_failed(self, worker: Worker, kind: str, status: int) -> None:
+        """An attempt failed before any byte reached the client; a retry may follow."""
+
+    def finished(self, kind: ApiKind, worker: Worker | None, status: int,
+                 record: DecisionRecord | None, duration_s: float) -> None:
+        """The request is over (``worker`` is None when none was tried)."""
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        registry: WorkerRegistry,
+        policy: Policy,
+        index: PrefixMatcher,
+        costs: CostSource,
+        outlier: OutlierDetector,
+        session: aiohttp.ClientSession,
+        decisions: DecisionLog,
+        spawn: Callable[[Coroutine[Any, Any, None]], object],
+        rng: random.Random,
+        hooks: RouterHooks | None = None,
+    ) -> None:
+        self.policy = policy
+        self.registry = registry
+        self.decisions = decisions
+        self.hooks = hooks or RouterHooks()
+        self._index = index
+        self._costs = costs
+        self._outlier = outlier
+        self._session = session
+        self._spawn = spawn
+        self._rng = rng
+        self._max_attempts = 1 + config.retry.max_retries
+        self._abort_timeout = config.server.abort_timeout_s
+        self._limits = aiohttp.ClientTimeout(
+            total=config.server.request_timeout_s,
+            sock_connect=config.server.connect_timeout_s,
+        )
+
+    # --- phases -------------------------------------------------------------------
+
+    def _views(self, req: RouteRequest, workers: Sequence[Worker]
+               ) -> tuple[list[WorkerView], Mapping[str, int]]:
+        """Candidates as the policy sees them, with this request's matched tokens; and the
+        matched blocks per worker id."""
+        now = self.registry.clock()
+        matches: Mapping[str, int] = {}
+        if self.policy.uses_prefix_match and req.block_hashes:
+            matches = self._index.match(req.block_hashes)
+        views = [
+            w.view(now, req.matched_tokens(matches.get(w.id, 0)), self._costs.cost(w.id))
+            for w in workers
+        ]
+        return views, matches
+
+    def _select(self, req: RouteRequest, views: Sequence[WorkerView]) -> Decision:
+        if req.kind is ApiKind.EMBEDDINGS:
+            # Embeddings hold no reusable cache: routed by load alone.
+            return Decision(least_loaded(views, self._rng).id, "load")
+        if len(views) == 1 and not self.policy.uses_prefix_match:
+            return Decision(views[0].id, "only_candidate")
+        ctx = RouteContext(prompt_tokens=req.prompt_tokens, candidates=views, rng=self._rng,
+                           routing_key=req.routing_key, prompt_chars=req.prompt_chars)
+        return self.policy.select(ctx)
+
+    def _dispatch(self, req: RouteRequest, worker: Worker, record: DecisionRecord) -> Lease:
+        if req.block_hashes and req.kind is not ApiKind.EMBEDDINGS:
+            self._index.record(req.block_hashes, worker.id)
+        return Lease(worker, max(0, req.prompt_tokens - record.matched_tokens))
+
+    def _feedback(self, req: RouteRequest, worker: Worker, lease: Lease, predicted_blocks: int,
+                  record: DecisionRecord, outcome: proxy.Outcome) -> None:
+        self._outlier.record(worker, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS)
+        reported = outcome.cached_tokens
+        if reported is not None and req.block_hashes and self.policy.uses_prefix_match:
+            self._index.correct(worker.id, req.block_hashes, predicted_blocks, reported)
+        if outcome.ttft_s is not None and outcome.status == 200:
+            uncached = req.prompt_tokens - (reported if reported is not None
+                                            else record.matched_tokens)
+            self._costs.observe(worker.id, max(0, uncached), lease.queued_ahead, outcome.ttft_s)
+
+    # --- the request --------------------------------------------------------------
+
+    async def handle(self, request: web.Request, req: RouteRequest,
+                     request_id: str) -> web.StreamResponse:
+        """Route, forward and relay one parsed request; raises GatewayError on failure."""
+        started = time.perf_counter()
+        excluded: list[str] = []
+        failure: proxy.AttemptFailed | None = None
+        worker: Worker | None = None
+        record: DecisionRecord | None = None
+        status = 503
+        try:
+            for attempt in range(self._max_attempts):
+                workers = self.registry.candidates(excluded)
+                if not workers:
+                    break
+                views, matches = self._views(req, workers)
+                decision = self._select(req, views)
+                worker = self.registry.get(decision.worker_id) or workers[0]
+                record = DecisionRecord.from_decision(
+                    request_id=request_id, policy=self.policy.name, decision=decision,
+                    candidates=views, prompt_tokens=req.prompt_tokens, model=req.model)
+                self.decisions.add(record)
+                self.hooks.decided(record)
+                final = attempt == self._max_attempts - 1 or len(workers) == 1
+                try:
+                    response = await self._attempt(request, req, worker, record, request_id,
+                                                   final, started, attempt,
+                                                   matches.get(worker.id, 0))
+                except proxy.AttemptFailed as exc:
+                    failure = exc
+                    excluded.append(worker.id)
+                    self.hooks.attempt_failed(worker, exc.kind, exc.status)
+                    continue
+                status = response.status
+                return response
+            status, error = _final_error(failure, request_id)
+            if isinstance(error, web.Response):
+                return error
+            raise error
+        finally:
+            self.hooks.finished(req.kind, worker, status, record, time.perf_counter() - started)
+
+    async def _attempt(self, request: web.Request, req: RouteRequest, worker: Worker,
+                       record: DecisionRecord, request_id: str, final: bool, started: float,
+                       attempt: int, predicted_blocks: int) -> web.StreamResponse:
+        rid = req.rid or request_id
+        lease = self._dispatch(req, worker, record)
+        upstream: aiohttp.ClientResponse | None = None
+        extra = {"x-request-id": request_id, "x-gateway-worker": worker.url,
+                 "x-gateway-matched-tokens": str(record.matched_tokens)}
+        try:
+            upstream = await self._send(req, worker, rid, request)
+            response, outcome = await proxy.relay(
+                request, upstream, stream=req.stream, final=final, extra_headers=extra,
+                started=time.perf_counter(), on_first_byte=lease.first_token)
+        except proxy.AttemptFailed as exc:
+            self._attempt_failed(worker, rid, exc, upstream)
+            raise
+        except (proxy.ClientGone, asyncio.CancelledError):
+            self._abort(worker, rid, upstream)
+            raise
+        finally:
+            lease.release()
+        self._feedback(req, worker, lease, predicted_blocks, record, outcome)
+        record.outcome = DecisionOutcome(
+            status=outcome.status, ttft_s=outcome.ttft_s,
+            reported_cached_tokens=outcome.cached_tokens, retries=attempt,
+            duration_s=time.perf_counter() - started)
+        if outcome.failed_mid_stream:
+            self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
+            log.warning("request %s: worker %s failed mid-stream", request_id, worker.url)
+        return response
+
+    async def _send(self, req: RouteRequest, worker: Worker, rid: str,
+                    request: web.Request) -> aiohttp.ClientResponse:
+        headers = proxy.upstream_headers(request.headers, rid)
+        return await proxy.send(self._session, worker.url + request.path,
+                                req.body_with_rid(rid), headers, self._limits)
+
+    def _attempt_failed(self, worker: Worker, rid: str, exc: proxy.AttemptFailed,
+                        upstream: aiohttp.ClientResponse | None) -> None:
+        if exc.kind == "connect" or exc.kind == "dropped":
+            self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
+        elif exc.kind == "status" and exc.status >= 500:
+            self._outlier.record(worker, OUTCOME_5XX)
+        if exc.kind in ("timeout", "dropped"):
+            self._abort(worker, rid, upstream)  # it may still be working on it
+
+    def _abort(self, worker: Worker, rid: str, upstream: aiohttp.ClientResponse | None) -> None:
+        if upstream is not None:
+            upstream.close()
+        self._spawn(proxy.abort(self._session, worker.url, rid, self._abort_timeout))
+
+
+def _final_error(failure: proxy.AttemptFailed | None,
+                 request_id: str) -> tuple[int, GatewayError | web.Response]:
+    """The answer once attempts ran out: the worker's own error, else ours."""
+    if failure is None:
+        return 503, GatewayError(503, _NO_WORKER, retry_after=1.0)
+    if failure.kind == "status":
+        headers = {k: v for k, v in failure.headers.items()
+                   if k.lower() not in proxy.HOP_BY_HOP | {"date", "server"}}
+        headers["x-request-id"] = request_id
+        return failure.status, web.Response(status=failure.status, body=failure.body,
+                                            headers=headers)
+    if failure.kind == "timeout":
+        return 504, GatewayError(504, "the worker timed out")
+    return 502, GatewayError(502, f"no worker could serve the request: {failure.message}")

@@ -1,0 +1,223 @@
+"""HTTP handlers for the inference API, the gateway's health, and the serving loop.
+
+Contract:
+- ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``, ``/v1/embeddings``:
+  read the body (413 over ``max_payload_size``), parse it once (400 with the field named),
+  pass admission (429/503), then hand it to the router. The client's bytes reach the
+  worker untouched except for the ``rid`` the gateway needs to abort.
+- ``GET /v1/models``: the workers' model cards, fetched live and deduplicated by id.
+- ``GET /health`` and ``/readiness``: 200 while a worker is routable, 503 otherwise.
+- The middleware renders every error as OpenAI-style JSON with ``x-request-id``, logs one
+  line per error (5xx at WARNING, 4xx at INFO), and checks the API key
+  (``Authorization: Bearer``, constant-time) on every path but health, readiness and
+  metrics. No line is logged per successful request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway import keys
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError, error_response, render
+from gateway.proxy import ClientGone
+from gateway.request import ApiKind, RequestError, parse_request
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID = "gateway_request_id"  # request-scoped storage key
+API_PATHS: dict[str, ApiKind] = {
+    "/v1/chat/completions": ApiKind.CHAT,
+    "/v1/completions": ApiKind.COMPLETIONS,
+    "/generate": ApiKind.GENERATE,
+    "/v1/embeddings": ApiKind.EMBEDDINGS,
+}
+OPEN_PATHS = frozenset({"/health", "/readiness", "/liveness", "/metrics"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def request_id_of(request: web.Request, header_names: tuple[str, ...]) -> str:
+    headers = request.headers
+    for name in header_names:
+        value = headers.get(name)
+        if value:
+            return value
+    return uuid.uuid4().hex
+
+
+def make_middleware(config: GatewayConfig) -> Any:
+    header_names = config.server.request_id_headers
+    key = config.server.api_key.encode() if config.server.api_key else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_id = request_id_of(request, header_names)
+        request[REQUEST_ID] = request_id
+        try:
+            if key is not None and request.path not in OPEN_PATHS:
+                _check_api_key(request, key)
+            return await handler(request)
+        except GatewayError as exc:
+            _log_error(request_id, request, exc.status, exc.message)
+            return render(exc, headers={"x-request-id": request_id})
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = _http_message(exc, request)
+            _log_error(request_id, request, exc.status, message)
+            return error_response(exc.status, message, headers={"x-request-id": request_id,
+                                                                **_allow(exc)})
+
+    return middleware
+
+
+def _check_api_key(request: web.Request, key: bytes) -> None:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'")
+    if not hmac.compare_digest(token.strip().encode(), key):
+        raise GatewayError(401, "invalid API key")
+
+
+def _http_message(exc: web.HTTPException, request: web.Request) -> str:
+    if exc.status == 404:
+        return f"no route for {request.method} {request.path}"
+    if exc.status == 405:
+        return f"method {request.method} is not allowed on {request.path}"
+    if exc.status == 413:
+        return "request body is larger than the gateway's max_payload_size"
+    return exc.reason
+
+
+def _allow(exc: web.HTTPException) -> dict[str, str]:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else {}
+
+
+def _log_error(request_id: str, request: web.Request, status: int, message: str) -> None:
+    level = logging.WARNING if status >= 500 else logging.INFO
+    log.log(level, "request %s %s %s: %d %s", request_id, request.method, request.path,
+            status, message)
+
+
+# --- API handlers ---------------------------------------------------------------------
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    length = request.content_length
+    if length is not None and length > limit:
+        raise GatewayError(413, f"request body of {length} bytes exceeds the limit of {limit}")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise GatewayError(413, f"request body exceeds the limit of {limit} bytes") from None
+
+
+async def api_handler(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    kind = API_PATHS[request.path]
+    body = await _read_body(request, app[keys.CONFIG].server.max_payload_size)
+    try:
+        req = parse_request(kind, body, request.headers, app[keys.SETTINGS])
+    except RequestError as exc:
+        raise GatewayError(exc.status, exc.message, param=exc.param,
+                           err_type=exc.err_type) from None
+    async with app[keys.ADMISSION].slot():
+        try:
+            return await app[keys.ROUTER].handle(request, req, request[REQUEST_ID])
+        except ClientGone as gone:
+            return gone.response  # aiohttp ignores the closed transport from here
+
+
+async def readiness(request: web.Request) -> web.Response:
+    registry = request.app[keys.REGISTRY]
+    ready = registry.ready()
+    body = {"status": "ok" if ready else "unavailable", "workers": len(registry),
+            "healthy_workers": registry.healthy_count()}
+    headers = {} if ready else {"Retry-After": "1"}
+    return web.Response(status=200 if ready else 503, body=orjson.dumps(body),
+                        content_type="application/json", headers=headers)
+
+
+async def models(request: web.Request) -> web.Response:
+    app = request.app
+    session = app[keys.SESSION]
+    workers = app[keys.REGISTRY].candidates()
+    timeout = aiohttp.ClientTimeout(total=app[keys.CONFIG].health.timeout_s)
+    cards = await asyncio.gather(*(_model_cards(session, w.url, timeout) for w in workers))
+    seen: dict[str, Any] = {}
+    for worker, found in zip(workers, cards, strict=True):
+        if not found and worker.metadata.model:
+            found = [{"id": worker.metadata.model, "object": "model", "owned_by": "sglang"}]
+        for card in found:
+            seen.setdefault(card["id"], card)
+    return web.Response(body=orjson.dumps({"object": "list", "data": list(seen.values())}),
+                        content_type="application/json")
+
+
+async def _model_cards(session: aiohttp.ClientSession, url: str,
+                       limits: aiohttp.ClientTimeout) -> list[dict[str, Any]]:
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError,
+                             orjson.JSONDecodeError):
+        async with session.get(url + "/v1/models", timeout=limits) as resp:
+            if resp.status == 200:
+                data = orjson.loads(await resp.read()).get("data")
+                if isinstance(data, list):
+                    return [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    return []
+
+
+def add_routes(app: web.Application) -> None:
+    for path in API_PATHS:
+        app.router.add_post(path, api_handler)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", readiness)
+    app.router.add_get("/readiness", readiness)
+
+
+# --- serving ----------------------------------------------------------------------------
+
+
+async def start_site(app: web.Application, host: str, port: int
+                     ) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on host:port (0: ephemeral); returns the runner and the bound port."""
+    # handler_cancellation: a client that disconnects cancels its handler, so a
+    # non-streaming request is aborted on the worker at once, not after the answer.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=2048)
+    await site.start()
+    sockets = runner.addresses
+    bound = sockets[0][1] if sockets else port
+    return runner, int(bound)
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway until SIGINT or SIGTERM."""
+    from gateway.app import build_app
+
+    runner, port = await start_site(build_app(config), config.server.host, config.server.port)
+    log.info("gateway listening on http://%s:%d with policy %s and %d workers",
+             config.server.host, port, config.policy.name, len(config.workers))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
