@@ -56,13 +56,17 @@ class EngineLoad:
 class WorkerCost:
     """A worker's latency model, calibrated online by the gateway from observed TTFTs.
 
-    ``prefill_s(n) = fixed_s + per_token_s * n``. ``None`` fields mean "not calibrated":
+    ``prefill_s(n) = fixed_s + per_token_s * n`` (+ the attention term, see
+    ``prefill_pair_s``). ``None`` fields mean "not calibrated":
     policies then use their own defaults.
     """
 
     prefill_per_token_s: float | None = None
     prefill_fixed_s: float | None = None
     decode_step_s: float | None = None  # one decode step of the running batch
+    # attention term of prefill: seconds per (new token x context token) pair, so that
+    # prefill_s(n new over c cached) adds prefill_pair_s * n * (c + n / 2)
+    prefill_pair_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
