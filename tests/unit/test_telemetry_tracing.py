@@ -1,0 +1,142 @@
+"""Tracing: one span per request with its attributes, W3C propagation, zero cost when off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from gateway.decisions import CandidateScore, DecisionRecord
+from gateway.telemetry import Telemetry, TelemetryConfig
+from gateway.telemetry_tracing import Tracing, TracingConfig
+
+ROUTE = "/v1/chat/completions"
+PARENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+PARENT = f"00-{PARENT_TRACE}-b7ad6b7169203331-01"
+
+
+def record(worker: str) -> DecisionRecord:
+    cands = (CandidateScore("w1", 32, 0.1), CandidateScore("w2", 0, 0.4), CandidateScore("w3", 0))
+    return DecisionRecord(
+        time=0.0, request_id="r", policy="cache_aware", worker=worker, reason="prefix_hit",
+        candidates=cands, prompt_tokens=64, matched_tokens=32,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def traced(exporter: InMemorySpanExporter) -> Iterator[Telemetry]:
+    t = Telemetry(span_exporter=exporter)
+    yield t
+    t.shutdown()
+
+
+def test_one_span_per_request_with_attributes(
+    traced: Telemetry, exporter: InMemorySpanExporter
+) -> None:
+    for i in range(3):
+        rt = traced.begin_request(f"req-{i}", ROUTE, "tiny-model")
+        rt.decided(record("w2"))
+        rt.retried("w2", "connect")
+        rt.decided(record("w1"))
+        rt.finish(200, reported_cached_tokens=30, ttft_s=0.125)
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 3
+    span = spans[0]
+    assert span.name == ROUTE
+    assert span.kind == SpanKind.SERVER
+    attrs = dict(span.attributes or {})
+    assert attrs["gateway.request_id"] == "req-0"
+    assert attrs["gen_ai.request.model"] == "tiny-model"
+    assert attrs["gateway.policy"] == "cache_aware"
+    assert attrs["gateway.worker"] == "w1"
+    assert attrs["gateway.matched_tokens"] == 32
+    assert attrs["gateway.reported_cached_tokens"] == 30
+    assert attrs["gateway.candidates"] == 3
+    assert attrs["gateway.retries"] == 1
+    assert attrs["gateway.ttft_s"] == 0.125
+    assert attrs["http.response.status_code"] == 200
+
+
+def test_traceparent_injected_and_incoming_parent_honoured(
+    traced: Telemetry, exporter: InMemorySpanExporter
+) -> None:
+    rt = traced.begin_request("r", ROUTE, headers={"traceparent": PARENT})
+    headers = dict(rt.upstream_headers())
+    rt.finish(200)
+    (span,) = exporter.get_finished_spans()
+    ctx = span.get_span_context()
+    assert ctx is not None and span.parent is not None
+    assert format(ctx.trace_id, "032x") == PARENT_TRACE
+    assert headers["traceparent"] == f"00-{PARENT_TRACE}-{ctx.span_id:016x}-01"
+
+
+def test_fresh_trace_without_incoming_parent(
+    traced: Telemetry, exporter: InMemorySpanExporter
+) -> None:
+    rt = traced.begin_request("r", ROUTE)
+    assert rt.upstream_headers()["traceparent"].startswith("00-")
+    rt.finish(500)
+    (span,) = exporter.get_finished_spans()
+    assert span.parent is None
+
+
+def test_finish_twice_ends_span_once(traced: Telemetry, exporter: InMemorySpanExporter) -> None:
+    rt = traced.begin_request("r", ROUTE)
+    rt.finish(200)
+    rt.finish(200)
+    assert len(exporter.get_finished_spans()) == 1
+
+
+def test_sampling_ratio_zero_records_nothing(exporter: InMemorySpanExporter) -> None:
+    t = Telemetry(
+        TelemetryConfig(tracing=TracingConfig(sampling_ratio=0.0)), span_exporter=exporter
+    )
+    rt = t.begin_request("r", ROUTE)
+    flags = rt.upstream_headers()["traceparent"].rsplit("-", 1)[1]
+    assert int(flags, 16) & 1 == 0  # not sampled, still propagated
+    rt.finish(200)
+    assert exporter.get_finished_spans() == ()
+    t.shutdown()
+
+
+def test_tracing_off_creates_no_span() -> None:
+    t = Telemetry()
+    assert not t.tracing_enabled
+    rt = t.begin_request("r", ROUTE, headers={"traceparent": PARENT})
+    assert rt._span is None
+    assert dict(rt.upstream_headers()) == {}
+    rt.finish(200)
+    t.shutdown()
+
+
+def test_console_exporter_builds_and_shuts_down() -> None:
+    tracing = Tracing(TracingConfig(exporter="console"))
+    assert tracing.enabled
+    tracing.shutdown()
+    tracing.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [({"exporter": "jaeger"}, "tracing.exporter"), ({"sampling_ratio": 1.5}, "sampling_ratio")],
+)
+def test_invalid_config_names_the_key(kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        TracingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_otlp_without_package_is_refused() -> None:
+    try:
+        import opentelemetry.exporter.otlp  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="opentelemetry-exporter-otlp"):
+            Tracing(TracingConfig(exporter="otlp"))
+    else:
+        pytest.skip("opentelemetry-exporter-otlp is installed")
