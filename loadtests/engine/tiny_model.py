@@ -2,11 +2,13 @@
 
 The model gives real prefill and decode compute and real KV-cache reuse in llama.cpp;
 its text is gibberish (use temperature 0). Shape: 4 layers, hidden 512, FFN 1536,
-8 heads, matrices drawn from N(0, 0.02), norm weights 1, F16 (about 29 MB).
+8 heads, matrices drawn from N(0, 0.02), norm weights 1, output projection tied to the
+token embeddings, F16 (about 30 MB).
 
 The tokenizer is a self-contained SentencePiece-style ("llama") vocabulary stored in
 the GGUF metadata: ``<unk> <s> </s> <|im_start|> <|im_end|>``, 256 ``<0xXX>``
-byte-fallback tokens, printable ASCII, and a few hundred word pieces. llama.cpp's SPM
+byte-fallback tokens, printable ASCII, a few hundred English word pieces and the 1,280
+consonant-vowel-consonant syllables of the project's pseudo-text. llama.cpp's SPM
 tokenizer merges adjacent symbols only when the merged string is itself a token, so
 every word piece comes with all of its prefixes (``▁t``, ``▁th``, ``▁the``). A ChatML
 chat template is embedded and ``<|im_end|>`` is the end-of-sequence token.
@@ -31,7 +33,7 @@ import gguf
 import numpy as np
 
 # Bump when the written bytes change for a given seed: cache file names include it.
-MODEL_VERSION = 1
+MODEL_VERSION = 2
 DEFAULT_SEED = 0
 SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -74,6 +76,12 @@ test movie north love support technology step baby computer type attention film 
 organization hair window evidence population site training surface analysis section
 """
 WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+# Consonant-vowel-consonant syllables: the project's pseudo-text workloads
+# (``loadtests/workloads/text.py``) are made of `` bak``-like pieces meant to be one token
+# each; with these in the vocabulary they are one token each to the real engine too.
+ONSETS = "bcdfghklmnprstvw"
+VOWELS = "aeiou"
+CODAS = "bdgklmnprstvxyzf"
 SUFFIXES: tuple[str, ...] = (
     "ing", "ed", "er", "ers", "es", "ly", "tion", "tions", "ment", "ness", "al", "ity",
     "able", "ive", "ous", "est", "ful", "less", "ize", "ized",
@@ -123,6 +131,8 @@ def build_vocab() -> Vocab:
     pieces: list[str] = []
     for word in sorted(set(WORDS)):
         pieces.extend(_with_prefixes(SPACE + word, 2))
+    for syllable in (o + v + c for o in ONSETS for v in VOWELS for c in CODAS):
+        pieces.extend(_with_prefixes(SPACE + syllable, 2))
     for suffix in SUFFIXES:
         pieces.extend(_with_prefixes(suffix, 2))
     for piece in chars + pieces:
@@ -179,7 +189,8 @@ def _tensor_shapes(shape: ModelShape, n_vocab: int) -> list[tuple[str, tuple[int
             (f"{b}.ffn_up.weight", (f, d)),
             (f"{b}.ffn_down.weight", (d, f)),
         ]
-    out += [("output_norm.weight", (d,)), ("output.weight", (n_vocab, d))]
+    # No output.weight: llama.cpp ties the output projection to token_embd when absent.
+    out.append(("output_norm.weight", (d,)))
     return out
 
 

@@ -1,0 +1,70 @@
+"""The shared-prefix workload of the real-engine demo, sized against the fleet's slots.
+
+``num_prefixes`` long system prompts (``prefix_tokens`` each), ``per_prefix`` requests
+per prefix, each with its own user message (``message_tokens``); requests shuffled by a
+seeded RNG. Text is made of the tiny model's consonant-vowel-consonant syllables, so one
+syllable is exactly one token to the engine (the chat template adds ~10 per request).
+
+With 4 workers x 2 slots and 8 prefixes the fleet can hold every prefix only if each
+worker keeps its own two: routing that ignores the prefix (round robin) makes each
+worker see all 8 and thrash its 2 slots.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from loadtests.engine.tiny_model import CODAS, ONSETS, VOWELS
+
+SYLLABLES: tuple[str, ...] = tuple(f" {o}{v}{c}" for o in ONSETS for v in VOWELS for c in CODAS)
+
+
+def syllable_text(rng: random.Random, n_tokens: int) -> str:
+    """``n_tokens`` random syllables: exactly ``n_tokens`` tokens for the tiny model."""
+    return "".join(rng.choices(SYLLABLES, k=n_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRequest:
+    """One request of the workload: which prefix it shares, and its chat body."""
+
+    index: int
+    prefix_id: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixSpec:
+    """Workload size. Defaults: REAL_ENGINE.md's demo (8 x 6 requests, 1,800 + 200 tokens)."""
+
+    num_prefixes: int = 8
+    per_prefix: int = 6
+    prefix_tokens: int = 1800
+    message_tokens: int = 200
+    max_tokens: int = 4
+    seed: int = 0
+    model: str = "tiny-llama"
+
+
+def shared_prefix_requests(spec: SharedPrefixSpec) -> list[PrefixRequest]:
+    """The requests, shuffled; deterministic in ``spec`` (including its seed)."""
+    rng = random.Random(spec.seed)
+    prefixes = [syllable_text(rng, spec.prefix_tokens) for _ in range(spec.num_prefixes)]
+    order = [p for p in range(spec.num_prefixes) for _ in range(spec.per_prefix)]
+    rng.shuffle(order)
+    requests = []
+    for index, prefix_id in enumerate(order):
+        messages = [
+            {"role": "system", "content": prefixes[prefix_id]},
+            {"role": "user", "content": syllable_text(rng, spec.message_tokens)},
+        ]
+        body = {
+            "model": spec.model,
+            "messages": messages,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0,
+        }
+        requests.append(PrefixRequest(index, prefix_id, body))
+    return requests
