@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway import admin, keys, server
 from gateway.admission import Admission
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
+from gateway.cost_model import CostModel
 from gateway.decisions import DecisionLog
 from gateway.health import HealthChecker
 from gateway.load import LoadPoller
@@ -30,7 +31,7 @@ from gateway.outlier import OutlierDetector
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import Worker, WorkerRegistry
 from gateway.request import RequestSettings
-from gateway.router import NoCosts, Router
+from gateway.router import Router
 from gateway.tasks import TaskSet
 from policies.base import Policy
 from policies.registry import POLICIES, create_policy
@@ -99,7 +100,7 @@ async def _runtime(app: web.Application, policy: Policy,
         max_blocks_per_worker=max(1, config.prefix_index.max_tree_size
                                   // config.request.block_chars),
         clock=registry.clock)
-    costs = NoCosts()
+    costs = CostModel()
     health = HealthChecker(config.health, registry, session)
     load = LoadPoller(config.load, registry, session, config.health.timeout_s)
     outlier = OutlierDetector(config.outlier, registry, registry.clock)
@@ -110,6 +111,7 @@ async def _runtime(app: web.Application, policy: Policy,
 
     def forget(worker: Worker) -> None:
         index.forget_worker(worker.id)
+        costs.forget_worker(worker.id)
         load.forget(worker)
 
     health.on_metadata.append(set_capacity)
