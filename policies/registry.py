@@ -5,14 +5,24 @@ from __future__ import annotations
 from typing import Any
 
 from policies.base import Policy
+from policies.cache_aware import CacheAwarePolicy
+from policies.consistent_hash import ConsistentHashPolicy
+from policies.least_load import LeastLoadPolicy
+from policies.min_ttft import MinTtftPolicy
 from policies.random import RandomPolicy
 from policies.round_robin import RoundRobinPolicy
+
+DEFAULT_POLICY = "min_ttft"
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         RoundRobinPolicy,
         RandomPolicy,
+        LeastLoadPolicy,
+        CacheAwarePolicy,
+        ConsistentHashPolicy,
+        MinTtftPolicy,
     )
 }
 
@@ -31,5 +41,5 @@ def create_policy(name: str, **params: Any) -> Policy:
         ) from None
     try:
         return cls(**params)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None

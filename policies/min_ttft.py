@@ -1,0 +1,179 @@
+"""Minimum estimated time to first token, with prefix affinity in near ties (the default).
+
+Algorithm, per request. For each candidate ``w`` (cost from ``w.cost``, defaults when a
+field is ``None``: PERFORMANCE.md section 3, Llama-3-8B on an H100):
+
+    queue_s   = R * fixed + Q * per_token     Q = queued uncached prefill tokens there
+                                              (max of the gateway's count and the
+                                              engine's ``waiting_uncached_tokens``),
+                                              R = requests waiting for their first token
+    decode_s  = decode_step + B * decode_request_s   if B > 0 (B = decoding requests):
+                                              the step a new prefill waits behind
+    prefill_s = fixed + per_token * u + pair * u * (m + u / 2)
+                                              u = prompt_tokens - m uncached, m matched
+    estimate  = queue_s + decode_s + prefill_s       (the decision record's score, seconds)
+    score     = estimate + work_weight * prefill_s
+
+``work_weight`` charges a miss for the prefill work it adds to the fleet (which delays
+later requests), not only for its own TTFT: pure min-TTFT sends a sibling to an idle
+worker as soon as the holder has a short queue, re-computing the shared prefix there and
+scattering groups, which is why it trails cache-aware routing on hit rate
+(PERFORMANCE.md section 2).
+
+Then:
+1. Bounded load: candidates with ``in_flight + 1 > max(ceil(load_factor * (total in flight
+   + 1) / n), load_cap_floor)`` are skipped, so a prefix every request shares (a common
+   system prompt, the Mooncake conversation trace's block 0) cannot collapse the fleet
+   onto one worker even when that worker's estimate stays the lowest.
+2. Near ties: every remaining candidate whose score is within ``tolerance_s +
+   tolerance_rel * best`` of the best score is "as good"; among those, the ones holding
+   the longest match win, and among them the lowest score; exact ties at random.
+   This keeps siblings and conversation turns on their worker until its queue makes a
+   second copy clearly cheaper, and only then spreads the hot prefix.
+Cold requests (no match anywhere) go to the lowest score, i.e. the least-loaded worker;
+their siblings then follow them because the gateway records the prompt at dispatch.
+
+Reasons: ``prefix_hit`` (the chosen worker holds the longest match there is), ``load``
+(a longer match existed but load won), ``miss`` (nobody holds any of the prompt),
+``only_candidate``.
+
+Cost: O(n) in candidates, a few float operations each.
+Trade-offs: the estimate is only as good as the cost model and the load figures (the
+gateway's own counts are exact for its traffic; the engine's are stale by one poll);
+the tolerance trades a little TTFT for hit rate (0 = pure min-TTFT); the load cap trades
+a few prefix re-computations for robustness against collapse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from policies.base import (
+    REASON_LOAD,
+    REASON_MISS,
+    REASON_ONLY_CANDIDATE,
+    REASON_PREFIX_HIT,
+    Decision,
+    Policy,
+    RouteContext,
+    WorkerCost,
+    WorkerView,
+)
+
+# PERFORMANCE.md section 3 (Llama-3-8B BF16, one H100); used for fields not calibrated.
+DEFAULT_PER_TOKEN_S = 22e-6
+DEFAULT_FIXED_S = 5e-3
+DEFAULT_PAIR_S = 1.3e-9
+DEFAULT_DECODE_STEP_S = 6.5e-3
+
+
+@dataclass(frozen=True, slots=True)
+class _Costs:
+    per_token: float
+    fixed: float
+    pair: float
+    decode_step: float
+
+    @staticmethod
+    def of(cost: WorkerCost) -> _Costs:
+        return _Costs(
+            per_token=_or(cost.prefill_per_token_s, DEFAULT_PER_TOKEN_S),
+            fixed=_or(cost.prefill_fixed_s, DEFAULT_FIXED_S),
+            pair=_or(cost.prefill_pair_s, DEFAULT_PAIR_S),
+            decode_step=_or(cost.decode_step_s, DEFAULT_DECODE_STEP_S),
+        )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+class MinTtftPolicy(Policy):
+    name: ClassVar[str] = "min_ttft"
+    uses_prefix_match: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        work_weight: float = 1.0,
+        tolerance_s: float = 0.02,
+        tolerance_rel: float = 0.2,
+        load_factor: float = 1.5,
+        load_cap_floor: int = 3,
+        decode_request_s: float = 1e-4,
+    ) -> None:
+        if work_weight < 0 or tolerance_s < 0 or tolerance_rel < 0 or decode_request_s < 0:
+            raise ValueError("weights and tolerances must be >= 0")
+        if load_factor < 1.0 or load_cap_floor < 1:
+            raise ValueError("load_factor must be >= 1 and load_cap_floor >= 1")
+        self._work_weight = work_weight
+        self._tolerance_s = tolerance_s
+        self._tolerance_rel = tolerance_rel
+        self._load_factor = load_factor
+        self._load_cap_floor = load_cap_floor
+        self._decode_request_s = decode_request_s
+
+    def estimate(self, worker: WorkerView, prompt_tokens: int) -> tuple[float, float]:
+        """(estimated TTFT, this request's own prefill time) on ``worker``, in seconds."""
+        c = _Costs.of(worker.cost)
+        engine = worker.engine_load
+        queued_tokens = worker.queued_prefill_tokens
+        waiting = max(0, worker.in_flight - worker.decoding_requests)
+        decoding = worker.decoding_requests
+        if engine is not None:
+            queued_tokens = max(queued_tokens, engine.waiting_uncached_tokens or 0)
+            waiting = max(waiting, engine.waiting_requests)
+            decoding = max(decoding, engine.running_requests)
+        queue_s = waiting * c.fixed + max(0, queued_tokens) * c.per_token
+        decode_s = c.decode_step + decoding * self._decode_request_s if decoding > 0 else 0.0
+        matched = max(0, min(worker.matched_tokens, prompt_tokens))
+        uncached = max(1, prompt_tokens - matched)  # the engine always computes >= 1 token
+        prefill_s = c.fixed + c.per_token * uncached + c.pair * uncached * (matched + uncached / 2)
+        return queue_s + decode_s + prefill_s, prefill_s
+
+    def select(self, ctx: RouteContext) -> Decision:
+        candidates = ctx.candidates
+        estimates: dict[str, float] = {}
+        scores: dict[str, float] = {}
+        for w in candidates:
+            estimate, own = self.estimate(w, ctx.prompt_tokens)
+            estimates[w.id] = estimate
+            scores[w.id] = estimate + self._work_weight * own
+        if len(candidates) == 1:
+            return Decision(candidates[0].id, REASON_ONLY_CANDIDATE, estimates)
+        eligible = self._within_load_cap(candidates)
+        best = min(scores[w.id] for w in eligible)
+        band = best + self._tolerance_s + self._tolerance_rel * best
+        near = [w for w in eligible if scores[w.id] <= band]
+        longest = max(w.matched_tokens for w in near)
+        pool = [w for w in near if w.matched_tokens == longest]
+        low = min(scores[w.id] for w in pool)
+        tied = [w for w in pool if scores[w.id] == low]
+        chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
+        return Decision(chosen.id, self._reason(chosen, candidates), estimates)
+
+    def _within_load_cap(self, candidates: Sequence[WorkerView]) -> list[WorkerView]:
+        total = sum(w.in_flight for w in candidates) + 1
+        cap = max(math.ceil(self._load_factor * total / len(candidates)), self._load_cap_floor)
+        eligible = [w for w in candidates if w.in_flight + 1 <= cap]
+        return eligible or list(candidates)
+
+    @staticmethod
+    def _reason(chosen: WorkerView, candidates: Sequence[WorkerView]) -> str:
+        longest = max(w.matched_tokens for w in candidates)
+        if longest <= 0:
+            return REASON_MISS
+        return REASON_PREFIX_HIT if chosen.matched_tokens >= longest else REASON_LOAD
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "work_weight": self._work_weight,
+            "tolerance_s": self._tolerance_s,
+            "tolerance_rel": self._tolerance_rel,
+            "load_factor": self._load_factor,
+            "load_cap_floor": self._load_cap_floor,
+            "decode_request_s": self._decode_request_s,
+        }
