@@ -7,25 +7,30 @@ its own prometheus ``CollectorRegistry`` and, when tracing is on, its own OpenTe
 Request path (push, a few microseconds per request)::
 
     rt = telemetry.begin_request(request_id, route, model, request.headers)
-    rt.decided(record)                    # after policy.select, once per attempt
+    rt.decided(record)                    # after policy.select; a 2nd call is a retry
     headers.update(rt.upstream_headers()) # W3C traceparent, empty when tracing is off
     rt.first_byte()                       # first chunk from the worker (TTFT)
-    rt.retried(worker, kind)              # an attempt failed and another worker is tried
+    rt.upstream_failed(worker, kind)      # an attempt failed
     rt.finish(status, reported_cached_tokens=n)
 
-Fleet figures (in-flight, queued, health flags, engine load, index size) are pulled at
-scrape time from a :data:`~gateway.telemetry_snapshot.SnapshotProvider`; see
-``telemetry_collector``. Worker label values are bounded by the registry: series of a
-worker absent from the snapshot are dropped at the next scrape, or at once by
-:meth:`Telemetry.forget_worker`.
+``begin_request`` also makes the request's telemetry the *current* one of its task
+(:func:`current_request`), so code that does not hold ``rt`` (router hooks, see
+``telemetry_gateway``) reaches it.
+
+Fleet figures (in-flight, queued, health flags, engine load, index size, admission
+rejections) are pulled at scrape time from a
+:data:`~gateway.telemetry_snapshot.SnapshotProvider`; see ``telemetry_collector``.
+Worker label values are bounded by the registry: series of a worker absent from the
+snapshot are dropped at the next scrape, or at once by :meth:`Telemetry.forget_worker`.
 
 Label sets are bounded: ``route`` by the gateway's routes, ``status`` by HTTP,
-``policy``/``reason`` by the policies (``policies.base.REASONS``), ``kind`` and admission
-``reason`` by the constants below (other values are counted as ``other``).
+``policy``/``reason`` by the policies (``policies.base.REASONS``), ``kind`` by
+:data:`UPSTREAM_ERROR_KINDS` (other values are counted as ``other``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -46,12 +51,20 @@ from gateway.telemetry_tracing import Tracing, TracingConfig
 NO_WORKER = "none"  # worker label of requests that never reached a worker
 OTHER = "other"
 UPSTREAM_ERROR_KINDS = frozenset({"connect", "timeout", "http_5xx", "http_429", "stream", OTHER})
-ADMISSION_REASONS = frozenset({"queue_full", "queue_timeout", OTHER})
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+# The telemetry of the request the current task serves (per task, like the log request id).
+_CURRENT: contextvars.ContextVar[RequestTelemetry | None] = contextvars.ContextVar(
+    "gateway_request_telemetry", default=None
+)
+
+
+def current_request() -> RequestTelemetry | None:
+    """The :class:`RequestTelemetry` begun in this task (or a parent task), if any."""
+    return _CURRENT.get()
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +148,6 @@ class _Metrics:
         self.ejections = Counter(
             "gateway_worker_ejections_total", "Outlier ejections.", ["worker"], registry=r
         )
-        self.admission_rejections = Counter(
-            "gateway_admission_rejections_total",
-            "Requests refused by admission.",
-            ["reason"],
-            registry=r,
-        )
         self.per_worker = (
             self.requests, self.duration, self.ttft, self.prompt_tokens, self.predicted,
             self.reported, self.upstream_errors, self.ejections,
@@ -212,15 +219,15 @@ class RequestTelemetry:
     """Telemetry of one request; made by :meth:`Telemetry.begin_request`. Not reusable."""
 
     __slots__ = (
-        "_first_byte", "_route", "_span", "_start", "_t", "model", "record", "request_id",
-        "retries",
+        "_first_byte", "_span", "_start", "_t", "finished", "model", "record", "request_id",
+        "retries", "route",
     )  # fmt: skip
 
     def __init__(
         self, t: Telemetry, request_id: str, route: str, model: str | None, span: Span | None
     ) -> None:
         self._t = t
-        self._route = route
+        self.route = route  # a bounded label: may be set until finish
         self._span = span
         self._start = time.perf_counter()
         self._first_byte: float | None = None
@@ -228,9 +235,14 @@ class RequestTelemetry:
         self.model = model
         self.record: DecisionRecord | None = None
         self.retries = 0
+        self.finished = False
 
     def decided(self, record: DecisionRecord) -> None:
-        """A policy chose ``record.worker``; counts the decision. Call once per attempt."""
+        """A policy chose ``record.worker``; counts the decision. Call once per attempt:
+        every call after the first counts a retry."""
+        if self.record is not None:
+            self.retries += 1
+            self._t._retry(self.route)
         self.record = record
         self._t._decision(record)
         if self._span is not None:
@@ -253,13 +265,8 @@ class RequestTelemetry:
         if self._first_byte is None:
             self._first_byte = time.perf_counter()
 
-    def retried(self, worker: str, kind: str) -> None:
-        """An attempt at ``worker`` failed with ``kind`` and another worker will be tried."""
-        self.retries += 1
-        self._t._retry(self._route, worker, kind)
-
     def upstream_failed(self, worker: str, kind: str) -> None:
-        """The last attempt at ``worker`` failed with ``kind`` (no retry follows)."""
+        """An attempt at ``worker`` failed with ``kind`` (:data:`UPSTREAM_ERROR_KINDS`)."""
         self._t.upstream_error(worker, kind)
 
     def finish(
@@ -269,13 +276,19 @@ class RequestTelemetry:
         reported_cached_tokens: int | None = None,
         ttft_s: float | None = None,
     ) -> None:
-        """The response is over. ``ttft_s`` overrides the :meth:`first_byte` mark."""
+        """The response is over. ``ttft_s`` overrides the :meth:`first_byte` mark.
+
+        Only the first call counts; the outcome of the decision record is set when the
+        record has none yet (the router may have set it already)."""
+        if self.finished:
+            return
+        self.finished = True
         end = time.perf_counter()
         if ttft_s is None and self._first_byte is not None:
             ttft_s = self._first_byte - self._start
         duration = end - self._start
         record = self.record
-        if record is not None:
+        if record is not None and record.outcome is None:
             record.outcome = DecisionOutcome(
                 status, ttft_s, reported_cached_tokens, self.retries, duration
             )
@@ -312,9 +325,6 @@ class _NoopRequestTelemetry(RequestTelemetry):
     def first_byte(self) -> None:
         return None
 
-    def retried(self, worker: str, kind: str) -> None:
-        return None
-
     def upstream_failed(self, worker: str, kind: str) -> None:
         return None
 
@@ -325,7 +335,7 @@ class _NoopRequestTelemetry(RequestTelemetry):
         reported_cached_tokens: int | None = None,
         ttft_s: float | None = None,
     ) -> None:
-        return None
+        self.finished = True
 
 
 class Telemetry:
@@ -342,7 +352,7 @@ class Telemetry:
         self.registry = CollectorRegistry()
         self._snapshot = snapshot
         # Registered first: each scrape prunes removed workers before the push series.
-        self.registry.register(FleetCollector(snapshot, self._prune))
+        self.registry.register(FleetCollector(self.snapshot, self._prune))
         self._m = _Metrics(self.registry)
         self._tracing = Tracing(self.config.tracing, span_exporter)
         self._workers: dict[str, WorkerStats] = {}
@@ -372,14 +382,17 @@ class Telemetry:
         """
         set_request_id(request_id)
         if self._quiet:
-            return _NoopRequestTelemetry(self, request_id, route, model, None)
-        span = None
-        if self._tracing.enabled:
-            attrs: dict[str, Any] = {"gateway.request_id": request_id, "http.route": route}
-            if model is not None:
-                attrs["gen_ai.request.model"] = model
-            span = self._tracing.start(route, headers, attrs)
-        return RequestTelemetry(self, request_id, route, model, span)
+            rt: RequestTelemetry = _NoopRequestTelemetry(self, request_id, route, model, None)
+        else:
+            span = None
+            if self._tracing.enabled:
+                attrs: dict[str, Any] = {"gateway.request_id": request_id, "http.route": route}
+                if model is not None:
+                    attrs["gen_ai.request.model"] = model
+                span = self._tracing.start(route, headers, attrs)
+            rt = RequestTelemetry(self, request_id, route, model, span)
+        _CURRENT.set(rt)
+        return rt
 
     def _worker(self, worker: str) -> WorkerStats:
         ws = self._workers.get(worker)
@@ -413,7 +426,7 @@ class Telemetry:
         if not self.config.metrics:
             return
         ws = self._worker(NO_WORKER if record is None else record.worker)
-        ws.count(rt._route, status)
+        ws.count(rt.route, status)
         ws.duration.observe(duration)
         if ttft_s is not None:
             ws.ttft.observe(ttft_s)
@@ -421,10 +434,9 @@ class Telemetry:
         if record is not None and status < 400:
             ws.tokens(record.prompt_tokens, record.matched_tokens, reported)
 
-    def _retry(self, route: str, worker: str, kind: str) -> None:
+    def _retry(self, route: str) -> None:
         if self.config.metrics:
             self._m.retries.labels(route).inc()
-            self.upstream_error(worker, kind)
 
     # -- events off the request path --------------------------------------------------
 
@@ -441,12 +453,6 @@ class Telemetry:
             self._error_workers.add(worker)
             self._m.ejections.labels(worker).inc()
 
-    def admission_rejected(self, reason: str) -> None:
-        """Admission refused a request; ``reason`` in :data:`ADMISSION_REASONS`."""
-        if self.config.metrics:
-            reason = reason if reason in ADMISSION_REASONS else OTHER
-            self._m.admission_rejections.labels(reason).inc()
-
     def forget_worker(self, worker: str) -> None:
         """Drop every series labelled with ``worker`` (it left the registry)."""
         self._workers.pop(worker, None)
@@ -462,6 +468,10 @@ class Telemetry:
             self.forget_worker(worker)
 
     # -- reading ----------------------------------------------------------------------
+
+    def use_snapshot(self, snapshot: SnapshotProvider) -> None:
+        """Read fleet figures from ``snapshot`` from now on (set once the fleet is built)."""
+        self._snapshot = snapshot
 
     def snapshot(self) -> FleetSnapshot:
         """The fleet as the snapshot provider sees it now."""

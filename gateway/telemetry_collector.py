@@ -96,6 +96,17 @@ def _admission(snap: FleetSnapshot) -> Iterator[Metric]:
             "Requests waiting for admission.",
             value=snap.admission_queued,
         )
+    if snap.admission_rejections is not None:
+        fam = _rejections()
+        for reason, count in snap.admission_rejections.items():
+            fam.add_metric([reason], count)
+        yield fam
+
+
+def _rejections() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "gateway_admission_rejections", "Requests refused by admission.", labels=["reason"]
+    )
 
 
 class FleetCollector:
@@ -114,6 +125,7 @@ class FleetCollector:
         yield from _families().values()
         yield GaugeMetricFamily("gateway_admission_in_flight_requests", "", value=0)
         yield GaugeMetricFamily("gateway_admission_queued_requests", "", value=0)
+        yield _rejections()
 
     def collect(self) -> Iterator[Metric]:
         """One snapshot, all families."""

@@ -74,6 +74,7 @@ class FleetSnapshot:
     policy: str | None = None
     admission_in_flight: int | None = None
     admission_queued: int | None = None
+    admission_rejections: Mapping[str, int] | None = None  # reason -> count, cumulative
 
 
 SnapshotProvider = Callable[[], FleetSnapshot]

@@ -12,12 +12,23 @@ import pytest
 
 from gateway.logging_setup import (
     REDACTED,
+    REQUEST_ID,
     current_request_id,
     reset_request_id,
     set_request_id,
     setup_logging,
 )
-from gateway.telemetry import Telemetry
+from gateway.telemetry import _CURRENT, Telemetry
+
+
+@pytest.fixture(autouse=True)
+def _fresh_request_context() -> Iterator[None]:
+    """begin_request binds the request to the caller's context: undo it after a test."""
+    rid = REQUEST_ID.set(None)
+    current = _CURRENT.set(None)
+    yield
+    _CURRENT.reset(current)
+    REQUEST_ID.reset(rid)
 
 
 @pytest.fixture

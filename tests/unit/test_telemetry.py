@@ -9,10 +9,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from gateway.decisions import CandidateScore, DecisionRecord
-from gateway.telemetry import NO_WORKER, Telemetry, TelemetryConfig
+from gateway.logging_setup import REQUEST_ID
+from gateway.telemetry import _CURRENT, NO_WORKER, Telemetry, TelemetryConfig
 from gateway.telemetry_snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
 
 ROUTE = "/v1/chat/completions"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_request_context() -> Iterator[None]:
+    """begin_request binds the request to the caller's context: undo it after a test."""
+    rid = REQUEST_ID.set(None)
+    current = _CURRENT.set(None)
+    yield
+    _CURRENT.reset(current)
+    REQUEST_ID.reset(rid)
 
 
 def record(
@@ -56,6 +67,7 @@ class Fleet:
             policy="min_ttft",
             admission_in_flight=4,
             admission_queued=1,
+            admission_rejections={"queue_full": 2, "queue_timeout": 0},
         )
 
 
@@ -92,7 +104,7 @@ def traffic(t: Telemetry) -> None:
         rt = t.begin_request(f"a{i}", ROUTE, "m")
         if i == 0:
             rt.decided(record("w2", "load"))
-            rt.retried("w2", "connect")
+            rt.upstream_failed("w2", "connect")
         rt.decided(record("w1"))
         rt.first_byte()
         rt.finish(200, reported_cached_tokens=50)
@@ -102,7 +114,6 @@ def traffic(t: Telemetry) -> None:
         if status == 502:
             rt.upstream_failed("w2", "http_5xx")
         rt.finish(status, ttft_s=0.02)
-    t.admission_rejected("queue_full")
     t.begin_request("c", ROUTE).finish(429)
     t.worker_ejected("w2")
 
@@ -152,11 +163,10 @@ def test_errors_retries_ejections_admission(telemetry: Telemetry) -> None:
     assert value(f, "gateway_upstream_errors_total", worker="w2", kind="connect") == 1
     assert value(f, "gateway_upstream_errors_total", worker="w2", kind="http_5xx") == 1
     assert value(f, "gateway_worker_ejections_total", worker="w2") == 1
-    assert value(f, "gateway_admission_rejections_total", reason="queue_full") == 1
-    telemetry.admission_rejected("weird reason")
+    assert value(f, "gateway_admission_rejections_total", reason="queue_full") == 2
+    assert value(f, "gateway_admission_rejections_total", reason="queue_timeout") == 0
     telemetry.upstream_error("w1", "not-a-kind")
     f = samples(telemetry)
-    assert value(f, "gateway_admission_rejections_total", reason="other") == 1
     assert value(f, "gateway_upstream_errors_total", worker="w1", kind="other") == 1
 
 
@@ -223,14 +233,21 @@ def test_forget_worker_drops_series_at_once(telemetry: Telemetry) -> None:
 def test_decision_record_gets_outcome(telemetry: Telemetry) -> None:
     rt = telemetry.begin_request("x", ROUTE)
     rec = record("w1")
+    rt.decided(record("w2"))
+    rt.upstream_failed("w2", "timeout")
     rt.decided(rec)
-    rt.retried("w2", "timeout")
     rt.finish(200, reported_cached_tokens=40, ttft_s=0.5)
+    rt.finish(500)  # only the first call counts
     assert rec.outcome is not None
     assert (rec.outcome.status, rec.outcome.ttft_s, rec.outcome.reported_cached_tokens) == (
         200, 0.5, 40,
     )  # fmt: skip
     assert rec.outcome.retries == 1
+    f = samples(telemetry)
+    assert value(f, "gateway_requests_total", worker="w1", route=ROUTE, status="200") == 1
+    assert "gateway_requests_total" not in {
+        s.name for s in f["gateway_requests"][1] if s.labels.get("status") == "500"
+    }
 
 
 def test_metrics_off_records_nothing(fleet: Fleet) -> None:

@@ -9,12 +9,23 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway.decisions import CandidateScore, DecisionRecord
-from gateway.telemetry import Telemetry, TelemetryConfig
+from gateway.logging_setup import REQUEST_ID
+from gateway.telemetry import _CURRENT, Telemetry, TelemetryConfig
 from gateway.telemetry_tracing import Tracing, TracingConfig
 
 ROUTE = "/v1/chat/completions"
 PARENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = f"00-{PARENT_TRACE}-b7ad6b7169203331-01"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_request_context() -> Iterator[None]:
+    """begin_request binds the request to the caller's context: undo it after a test."""
+    rid = REQUEST_ID.set(None)
+    current = _CURRENT.set(None)
+    yield
+    _CURRENT.reset(current)
+    REQUEST_ID.reset(rid)
 
 
 def record(worker: str) -> DecisionRecord:
@@ -43,7 +54,7 @@ def test_one_span_per_request_with_attributes(
     for i in range(3):
         rt = traced.begin_request(f"req-{i}", ROUTE, "tiny-model")
         rt.decided(record("w2"))
-        rt.retried("w2", "connect")
+        rt.upstream_failed("w2", "connect")
         rt.decided(record("w1"))
         rt.finish(200, reported_cached_tokens=30, ttft_s=0.125)
     spans = exporter.get_finished_spans()
