@@ -31,3 +31,44 @@ def test_unknown_policy_named() -> None:
         assert "nope" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_registry_lists_every_policy_and_the_default() -> None:
+    from policies.registry import DEFAULT_POLICY, policy_names
+
+    expected = {"round_robin", "random", "least_load", "cache_aware", "consistent_hash", "min_ttft"}
+    assert set(policy_names()) == expected
+    assert DEFAULT_POLICY == "min_ttft"
+
+
+def test_every_policy_returns_a_candidate_with_a_known_reason() -> None:
+    from policies.base import REASONS, EngineLoad
+    from policies.registry import policy_names
+
+    views = [
+        WorkerView(
+            id="a", in_flight=3, matched_tokens=40, engine_load=EngineLoad(waiting_requests=2)
+        ),
+        WorkerView(id="b", in_flight=0),
+        WorkerView(id="c", in_flight=1, queued_prefill_tokens=500, decoding_requests=1),
+    ]
+    for name in policy_names():
+        policy = create_policy(name)
+        for key in (None, "session"):
+            ctx = RouteContext(
+                prompt_tokens=100, candidates=views, rng=random.Random(0), routing_key=key
+            )
+            decision = policy.select(ctx)
+            assert decision.worker_id in {"a", "b", "c"}, name
+            assert decision.reason in REASONS, name
+            assert set(decision.scores) <= {"a", "b", "c"}
+        assert policy.describe()["name"] == name
+
+
+def test_bad_parameter_named() -> None:
+    try:
+        create_policy("min_ttft", no_such_knob=1)
+    except ValueError as exc:
+        assert "min_ttft" in str(exc)
+    else:
+        raise AssertionError("expected ValueError")
