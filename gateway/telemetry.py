@@ -244,9 +244,13 @@ class RequestTelemetry:
             self.retries += 1
             self._t._retry(self.route)
         self.record = record
+        if self.model is None:
+            self.model = record.model
         self._t._decision(record)
         if self._span is not None:
             s = self._span
+            if record.model is not None:
+                s.set_attribute("gen_ai.request.model", record.model)
             s.set_attribute("gateway.policy", record.policy)
             s.set_attribute("gateway.worker", record.worker)
             s.set_attribute("gateway.reason", record.reason)

@@ -33,7 +33,7 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "gateway_worker_queued_prefill_tokens",
             "Uncached prompt tokens dispatched whose first byte has not come back.",
         ),
-        "healthy": _gauge("gateway_worker_healthy", "1 when the worker is routable."),
+        "healthy": _gauge("gateway_worker_healthy", "1 when the worker has no health flag set."),
         "flag": _gauge(
             "gateway_worker_health_flag", "1 when the health flag is set.", ["worker", "flag"]
         ),
@@ -67,7 +67,7 @@ def _fill(fams: dict[str, GaugeMetricFamily | CounterMetricFamily], snap: FleetS
         fams["in_flight"].add_metric(lv, w.in_flight)
         fams["queued"].add_metric(lv, w.queued)
         fams["queued_tokens"].add_metric(lv, w.queued_prefill_tokens)
-        fams["healthy"].add_metric(lv, 1.0 if w.routable else 0.0)
+        fams["healthy"].add_metric(lv, 1.0 if w.healthy else 0.0)
         for flag in HEALTH_FLAGS:
             fams["flag"].add_metric([w.worker, flag], 1.0 if w.health_flags.get(flag) else 0.0)
         if w.engine_running is not None:

@@ -15,11 +15,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# Health flags, each with its own source (ARCHITECTURE.md §4.4). Bounded: they are labels.
-FLAG_ACTIVE_CHECK_FAILED = "active_check_failed"
-FLAG_EJECTED = "ejected"
-FLAG_DRAINING = "draining"
-HEALTH_FLAGS: tuple[str, ...] = (FLAG_ACTIVE_CHECK_FAILED, FLAG_EJECTED, FLAG_DRAINING)
+# Health flags, each with its own source (ARCHITECTURE.md §4.4), named as
+# ``gateway.registry.HealthFlag`` values. Bounded: they are label values.
+FLAG_UNCHECKED = "unchecked"  # added, first active probe not passed yet
+FLAG_CHECK_FAILED = "check_failed"  # active probes failed
+FLAG_EJECTED = "ejected"  # passive outlier ejection
+FLAG_DRAINING = "draining"  # operator drain
+HEALTH_FLAGS: tuple[str, ...] = (FLAG_UNCHECKED, FLAG_CHECK_FAILED, FLAG_EJECTED, FLAG_DRAINING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +40,7 @@ class WorkerSnapshot:
 
     worker: str  # the worker id, as used in metric labels
     url: str = ""
-    routable: bool = True  # no health flag set (or the panic set is in use)
+    healthy: bool = True  # no health flag set
     health_flags: Mapping[str, bool] = field(default_factory=dict)  # flag -> set
     in_flight: int = 0  # requests leased by this gateway
     queued: int = 0  # in-flight requests still waiting for their first byte
@@ -54,7 +56,7 @@ class WorkerSnapshot:
         return {
             "worker": self.worker,
             "url": self.url,
-            "routable": self.routable,
+            "healthy": self.healthy,
             "health_flags": {f: bool(self.health_flags.get(f, False)) for f in HEALTH_FLAGS},
             "in_flight": self.in_flight,
             "queued": self.queued,

@@ -48,7 +48,7 @@ class Fleet:
                 WorkerSnapshot(
                     worker=w,
                     url=f"http://127.0.0.1:1800{i}",
-                    routable=i != 1,
+                    healthy=i != 1,
                     health_flags={"ejected": i == 1},
                     in_flight=3 + i,
                     queued=i,
