@@ -20,6 +20,7 @@ PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
 PROCESSING = "llamacpp:requests_processing"
 DEFERRED = "llamacpp:requests_deferred"
+PREDICTED_TOKENS = "llamacpp:tokens_predicted_total"
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -44,6 +45,7 @@ class EngineCounters:
     cached_tokens: float
     processing: float
     deferred: float
+    predicted_tokens: float
 
     @classmethod
     def from_metrics(cls, samples: dict[str, float]) -> EngineCounters:
@@ -53,6 +55,7 @@ class EngineCounters:
             cached_tokens=samples[CACHED_TOKENS],
             processing=samples[PROCESSING],
             deferred=samples[DEFERRED],
+            predicted_tokens=samples[PREDICTED_TOKENS],
         )
 
 

@@ -7,6 +7,7 @@ kind relies on: health, capacity, slots, counters, usage and timings, abort on c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from typing import Any
@@ -169,6 +170,29 @@ async def raw_exchange(url: str, body: dict[str, Any]) -> tuple[bytes, bool]:
     writer.close()
     await writer.wait_closed()
     return response_head, closed
+
+
+async def test_closing_a_non_streaming_request_does_not_abort_it(llama_fleet: LlamaFleet) -> None:
+    """Engine limit: without a stream the server only notices the closed connection when
+    it writes the answer, so the generation runs to ``max_tokens``."""
+    url = llama_fleet.urls[2]
+    body = chat_body(seed=451, tokens=50, max_tokens=600, ignore_eos=True)
+    async with engine_session() as session:
+        before = await read_counters(session, url)
+        request = asyncio.create_task(session.post(url + "/v1/chat/completions", json=body))
+        await asyncio.sleep(0.2)
+        busy = await read_counters(session, url)
+        request.cancel()  # closes the connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        for _ in range(300):
+            after = await read_counters(session, url)
+            if after.processing == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert before.processing == 0
+    assert busy.processing == 1
+    assert after.predicted_tokens - before.predicted_tokens == 600
 
 
 async def test_server_closes_keep_alive_connection_after_a_stream(llama_fleet: LlamaFleet) -> None:
