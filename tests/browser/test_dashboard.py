@@ -1,0 +1,167 @@
+"""The operator's dashboard in a real headless Chromium (Debian's package, via Playwright).
+
+Checks: the page loads without console errors, lists the workers, and its figures change
+after traffic. Saves a screenshot under pytest's tmp_path. Skipped only when
+``/usr/bin/chromium`` is absent (``make browser-deps`` installs it).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
+
+from gateway.debug_api import add_telemetry_routes
+from gateway.decisions import CandidateScore, DecisionLog, DecisionRecord
+from gateway.logging_setup import REQUEST_ID
+from gateway.telemetry import _CURRENT, Telemetry
+from gateway.telemetry_snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+WORKERS = ["w1", "w2", "w3"]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(),
+        reason=f"{CHROMIUM} is absent: install Debian's chromium (make browser-deps)",
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_request_context() -> Iterator[None]:
+    rid = REQUEST_ID.set(None)
+    current = _CURRENT.set(None)
+    yield
+    _CURRENT.reset(current)
+    REQUEST_ID.reset(rid)
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def open_dashboard(browser: Browser, url: str) -> tuple[Page, list[str]]:
+    """The page, and a list that collects console errors and uncaught exceptions."""
+    page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+
+    def on_console(msg: ConsoleMessage) -> None:
+        if msg.type == "error":
+            errors.append(msg.text)
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(url + "/dashboard")
+    return page, errors
+
+
+class FakeFleet:
+    """Three workers; in-flight figures set by the test."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+    def __call__(self) -> FleetSnapshot:
+        return FleetSnapshot(
+            workers=[
+                WorkerSnapshot(
+                    worker=w,
+                    url=f"http://127.0.0.1:1800{i}",
+                    healthy=w != "w3",
+                    health_flags={"ejected": w == "w3"},
+                    in_flight=self.in_flight + i,
+                    engine_waiting=i,
+                    engine_token_usage=0.1 * i,
+                    index=IndexFigures(blocks=100 * i, approx_bytes=12800 * i),
+                )
+                for i, w in enumerate(WORKERS)
+            ],
+            policy="min_ttft",
+            admission_queued=0,
+        )
+
+
+def traffic(telemetry: Telemetry, log: DecisionLog, n: int, rng: random.Random) -> None:
+    for i in range(n):
+        worker = WORKERS[i % 2]
+        rt = telemetry.begin_request(f"req-{i}", "/v1/chat/completions", "m")
+        matched = rng.choice([0, 64, 128])
+        rec = DecisionRecord(
+            time=1.7e9 + i, request_id=f"req-{i}", policy="min_ttft", worker=worker,
+            reason="prefix_hit" if matched else "load", prompt_tokens=160,
+            matched_tokens=matched,
+            candidates=tuple(CandidateScore(w, matched if w == worker else 0, 0.01 * i)
+                             for w in WORKERS),
+        )  # fmt: skip
+        log.add(rec)
+        rt.decided(rec)
+        rt.finish(200, reported_cached_tokens=max(0, matched - 16), ttft_s=0.02 + 0.001 * i)
+
+
+async def test_dashboard_on_fake_fleet(browser: Browser, tmp_path: Path) -> None:
+    fleet = FakeFleet()
+    telemetry = Telemetry(snapshot=fleet)
+    log = DecisionLog(256)
+    app = web.Application()
+    add_telemetry_routes(app, telemetry=telemetry, decisions=log)
+    runner, url = await serve(app)
+    try:
+        page, errors = await open_dashboard(browser, url)
+        for w in WORKERS:
+            await page.wait_for_selector(f'#workers tbody tr[data-worker="{w}"]')
+        assert await page.inner_text("#total-requests") == "0"
+        assert "ejected" in await page.inner_text('#workers tr[data-worker="w3"]')
+        assert await page.locator("#decisions tbody tr").count() == 0
+
+        fleet.in_flight = 5
+        traffic(telemetry, log, 30, random.Random(3))
+        await page.wait_for_function(
+            "document.getElementById('total-requests').textContent === '30'", timeout=10_000
+        )
+        await page.wait_for_function(
+            "document.querySelectorAll('#decisions tbody tr').length === 20", timeout=10_000
+        )
+        w1 = await page.inner_text('#workers tr[data-worker="w1"] td[data-col="0"]')
+        assert w1 == "5"
+        p50 = await page.inner_text('#workers tr[data-worker="w1"] td[data-col="5"]')
+        assert p50.endswith(" ms")
+        reasons = await page.locator("#reasons tr[data-reason]").count()
+        assert reasons >= 1
+        # a second burst: the request-rate chart draws a line per busy worker
+        traffic(telemetry, log, 30, random.Random(4))
+        await page.wait_for_function(
+            "document.getElementById('total-requests').textContent === '60'", timeout=10_000
+        )
+        await page.wait_for_selector('#chart-rate polyline[data-worker="w1"]', timeout=10_000)
+        await page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+        assert errors == []
+        await page.close()
+    finally:
+        await runner.cleanup()
+        telemetry.shutdown()
