@@ -37,6 +37,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                                  "help": "seconds between prefix index sweeps (60)"}),
     "--max-tree-size": ("prefix_index.max_tree_size", {"type": int,
                         "help": "indexed prompt characters per worker (67108864)"}),
+    "--max-idle-secs": ("prefix_index.max_idle_s", {"type": float,
+                        "help": "drop index entries idle this long (3600)"}),
     "--api-key": ("server.api_key", {"help": "require Authorization: Bearer KEY"}),
     "--request-timeout-secs": ("server.request_timeout_s", {"type": float,
                                "help": "bound on one worker attempt (1800)"}),

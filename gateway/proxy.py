@@ -172,7 +172,8 @@ async def _relay_sse(request: web.Request, upstream: aiohttp.ClientResponse,
             last = chunk
             if pending or not chunk.endswith(_EVENT_END):
                 chunk = pending + chunk
-                cut = chunk.rfind(_EVENT_END) + 2
+                end = chunk.rfind(_EVENT_END)
+                cut = end + 2 if end >= 0 else 0
                 pending, chunk = chunk[cut:], chunk[:cut]
             if chunk:
                 await _client_write(response, response.write(chunk))
@@ -183,7 +184,7 @@ async def _relay_sse(request: web.Request, upstream: aiohttp.ClientResponse,
             TimeoutError) as exc:
         outcome.failed_mid_stream = True
         code, message = (504, "the worker timed out mid-stream") if isinstance(
-            exc, TimeoutError) else (502, f"the worker failed mid-stream: {exc}")
+            exc, TimeoutError) else (502, f"the worker failed mid-stream ({type(exc).__name__})")
         await _client_write(response, response.write(stream_error_event(code, message)))
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
     await _client_write(response, response.write_eof())

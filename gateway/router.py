@@ -81,6 +81,7 @@ class NoCosts:
 
 
 _NO_COST = WorkerCost()
+_NO_HEADERS: Mapping[str, str] = {}
 
 
 class RouterHooks:
@@ -95,6 +96,10 @@ class RouterHooks:
     def finished(self, kind: ApiKind, worker: Worker | None, status: int,
                  record: DecisionRecord | None, duration_s: float) -> None:
         """The request is over (``worker`` is None when none was tried)."""
+
+    def upstream_headers(self) -> Mapping[str, str]:
+        """Extra headers for the worker (e.g. W3C ``traceparent``)."""
+        return _NO_HEADERS
 
 
 class Router:
@@ -223,11 +228,12 @@ class Router:
         upstream: aiohttp.ClientResponse | None = None
         extra = {"x-request-id": request_id, "x-gateway-worker": worker.url,
                  "x-gateway-matched-tokens": str(record.matched_tokens)}
+        sent_at = time.perf_counter()  # TTFT counts from dispatch, not from the head
         try:
             upstream = await self._send(req, worker, rid, request)
             response, outcome = await proxy.relay(
                 request, upstream, stream=req.stream, final=final, extra_headers=extra,
-                started=time.perf_counter(), on_first_byte=lease.first_token)
+                started=sent_at, on_first_byte=lease.first_token)
         except proxy.AttemptFailed as exc:
             self._attempt_failed(worker, rid, exc, upstream)
             raise
@@ -236,6 +242,8 @@ class Router:
             raise
         finally:
             lease.release()
+            if upstream is not None:
+                upstream.release()
         self._feedback(req, worker, lease, predicted_blocks, record, outcome)
         record.outcome = DecisionOutcome(
             status=outcome.status, ttft_s=outcome.ttft_s,
@@ -249,6 +257,9 @@ class Router:
     async def _send(self, req: RouteRequest, worker: Worker, rid: str,
                     request: web.Request) -> aiohttp.ClientResponse:
         headers = proxy.upstream_headers(request.headers, rid)
+        extra = self.hooks.upstream_headers()
+        if extra:
+            headers.update(extra)
         return await proxy.send(self._session, worker.url + request.path,
                                 req.body_with_rid(rid), headers, self._limits)
 

@@ -36,7 +36,7 @@ from gateway.request import ApiKind, RequestError, parse_request
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID = "gateway_request_id"  # request-scoped storage key
+REQUEST_ID = web.RequestKey("gateway_request_id", str)  # the request's id, set first
 API_PATHS: dict[str, ApiKind] = {
     "/v1/chat/completions": ApiKind.CHAT,
     "/v1/completions": ApiKind.COMPLETIONS,
