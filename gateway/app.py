@@ -24,6 +24,7 @@ from gateway import admin, keys, server
 from gateway.admission import Admission
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
 from gateway.cost_model import CostModel
+from gateway.debug_api import add_telemetry_routes
 from gateway.decisions import DecisionLog
 from gateway.health import HealthChecker
 from gateway.load import LoadPoller
@@ -33,6 +34,9 @@ from gateway.registry import Worker, WorkerRegistry
 from gateway.request import RequestSettings
 from gateway.router import Router
 from gateway.tasks import TaskSet
+from gateway.telemetry import Telemetry, TelemetryConfig
+from gateway.telemetry_gateway import RegistrySnapshot, TelemetryHooks, telemetry_middleware
+from gateway.telemetry_tracing import TracingConfig
 from policies.base import Policy
 from policies.registry import POLICIES, create_policy
 
@@ -57,8 +61,11 @@ def make_policy(cfg: PolicyConfig) -> Policy:
 
 def build_app(config: GatewayConfig, *, clock: Callable[[], float] = time.monotonic,
               rng: random.Random | None = None) -> web.Application:
+    telemetry = make_telemetry(config)
+    # The server's middleware first: it sets the request id telemetry reads.
     app = web.Application(client_max_size=config.server.max_payload_size,
-                          middlewares=[server.make_middleware(config)])
+                          middlewares=[server.make_middleware(config),
+                                       telemetry_middleware(telemetry)])
     registry = WorkerRegistry(config.outlier.panic_threshold, clock)
     for url in config.workers:
         registry.add(validate_worker_url(url))
@@ -72,11 +79,23 @@ def build_app(config: GatewayConfig, *, clock: Callable[[], float] = time.monoto
     app[keys.ADMISSION] = Admission(config.admission)
     app[keys.DECISIONS] = DecisionLog(config.decisions.ring_size)
     app[keys.TASKS] = TaskSet()
+    app[keys.TELEMETRY] = telemetry
     policy = make_policy(config.policy)
     app.cleanup_ctx.append(lambda a: _runtime(a, policy, rng or random.Random(config.policy.seed)))
     server.add_routes(app)
     admin.add_routes(app)
+    add_telemetry_routes(app, telemetry=telemetry, decisions=app[keys.DECISIONS])
     return app
+
+
+def make_telemetry(config: GatewayConfig) -> Telemetry:
+    t = config.telemetry
+    return Telemetry(TelemetryConfig(
+        metrics=t.metrics,
+        tracing=TracingConfig(exporter=t.tracing_exporter,  # type: ignore[arg-type]
+                              sampling_ratio=t.tracing_sampling_ratio,
+                              service_name=t.tracing_service_name,
+                              otlp_endpoint=t.otlp_endpoint)))
 
 
 def _session(config: GatewayConfig) -> aiohttp.ClientSession:
@@ -114,6 +133,11 @@ async def _runtime(app: web.Application, policy: Policy,
         costs.forget_worker(worker.id)
         load.forget(worker)
 
+    telemetry = app[keys.TELEMETRY]
+    telemetry.use_snapshot(RegistrySnapshot(registry, index=index,
+                                            admission=app[keys.ADMISSION], policy=policy.name))
+    outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
+    registry.on_removed(lambda w: telemetry.forget_worker(w.id))
     health.on_metadata.append(set_capacity)
     load.on_capacity.append(set_capacity)
     registry.on_removed(forget)
@@ -122,7 +146,7 @@ async def _runtime(app: web.Application, policy: Policy,
     app[keys.ROUTER] = Router(
         config=config, registry=registry, policy=policy, index=index, costs=costs,
         outlier=outlier, session=session, decisions=app[keys.DECISIONS],
-        spawn=app[keys.TASKS].spawn, rng=rng)
+        spawn=app[keys.TASKS].spawn, rng=rng, hooks=TelemetryHooks(telemetry))
     loops = TaskSet()
     loops.spawn(health.run(), "health")
     if config.load.poll_interval_s > 0:
@@ -137,6 +161,7 @@ async def _runtime(app: web.Application, policy: Policy,
         await loops.close()
         await app[keys.TASKS].close()
         await session.close()
+        telemetry.shutdown()
 
 
 async def _every(interval_s: float, action: Callable[[], object]) -> None:

@@ -148,6 +148,18 @@ class DecisionsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TelemetryConfig:
+    # Prometheus metrics at /metrics; off makes the request path free of metric updates.
+    metrics: bool = True
+    # Request spans: none, console or otlp (needs the OTLP exporter package).
+    tracing_exporter: str = "none"
+    tracing_sampling_ratio: float = 1.0  # share of requests traced, 0..1
+    tracing_service_name: str = "prefix-gateway"
+    # None: the exporter's default (or the OTEL_EXPORTER_OTLP_* environment variables).
+    otlp_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     workers: tuple[str, ...] = ()  # worker URLs registered at start
@@ -160,6 +172,7 @@ class GatewayConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     decisions: DecisionsConfig = field(default_factory=DecisionsConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 # --- URL validation (shared with the admin API) -------------------------------------
@@ -310,6 +323,11 @@ def validate(cfg: GatewayConfig) -> None:
     _check(a.max_concurrent_requests >= -1, "admission.max_concurrent_requests",
            "must be ≥ 0 (0 or -1: unlimited)", a.max_concurrent_requests)
     _check(a.queue_size >= 0, "admission.queue_size", "must be ≥ 0", a.queue_size)
+    t = cfg.telemetry
+    _check(t.tracing_exporter in ("none", "console", "otlp"), "telemetry.tracing_exporter",
+           "must be one of none, console, otlp", t.tracing_exporter)
+    _check(0.0 <= t.tracing_sampling_ratio <= 1.0, "telemetry.tracing_sampling_ratio",
+           "must be in 0..1", t.tracing_sampling_ratio)
     _check(cfg.decisions.ring_size >= 1, "decisions.ring_size", "must be ≥ 1",
            cfg.decisions.ring_size)
 

@@ -18,6 +18,7 @@ from gateway.registry import WorkerRegistry
 from gateway.request import RequestSettings
 from gateway.router import Router
 from gateway.tasks import TaskSet
+from gateway.telemetry import Telemetry
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REGISTRY = web.AppKey("registry", WorkerRegistry)
@@ -28,3 +29,4 @@ TASKS = web.AppKey("tasks", TaskSet)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 HEALTH = web.AppKey("health", HealthChecker)
 ROUTER = web.AppKey("router", Router)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
