@@ -26,16 +26,23 @@ Flags of sglang-router and their meaning here:
   ``max_idle_s`` seconds (entries that old are the first an engine under pressure evicts,
   and the ones a restarted engine has lost).
 
-Recording order: a prompt's blocks are touched deepest first, so its first block is the
-most recently used and LRU eviction removes a chain from its tail, as the engine's radix
-cache evicts leaves first. Matching stops at the first block no remaining worker holds.
+Recording order and invariant: a prompt's blocks are touched deepest first, so its first
+block is the most recently used and LRU eviction removes a chain from its tail, as the
+engine's radix cache evicts leaves first. Hence each worker's believed blocks are
+*prefix-closed* (if it holds block i of a chain it holds blocks 0..i), like the engine's
+cache itself, and ``match`` finds each worker's match length by bisection instead of
+visiting every block. Only a correction can break closure (trimming a chain also cuts
+siblings that share the trimmed blocks); ``match`` may then over-estimate such a
+sibling until its own report trims it: never below the exact answer, and self-healing.
 
 Correction: when a worker reports fewer cached tokens than predicted, its entries for
-that prompt beyond the real match are dropped, unless the first missing block was only
-recorded within ``correction_grace_s`` (then the shortfall is explained by a sibling still
-in prefill on that worker, not by eviction). A tolerance absorbs the error of the
-characters-per-token estimate. Predicted and reported cached tokens are counted per
-worker: the index's fidelity.
+that prompt beyond the real match are dropped, unless a recording within
+``correction_grace_s`` started adding blocks right where the real match ends (then the
+shortfall is explained by a sibling still in prefill on that worker, not by eviction;
+each recording remembers only its first new block, so this costs one entry per
+recording). ``correction_tolerance`` absorbs the error of the characters-per-token
+estimate. Predicted and reported cached tokens are counted per worker: the index's
+fidelity.
 
 Not thread-safe; used from one event loop (or one replay) only. Times are seconds on one
 monotonic clock (``time.monotonic`` unless the caller passes ``now``).
@@ -45,16 +52,23 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_right
-from collections import OrderedDict
+from bisect import bisect_left
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, repeat, takewhile
-from operator import and_, neg
+from functools import partial
+from itertools import filterfalse, repeat
 
 # Bytes per indexed block for one holder (map entry + LRU entry + int key), measured by
 # ``python -m loadtests.index_bench`` with tracemalloc; see BENCHMARKS.md.
 APPROX_BYTES_PER_BLOCK = 190
+# Bound on remembered recent insertion points per worker (one per recording, not per block).
+_MAX_FRESH = 4096
+
+
+def _loses_any(get: Callable[[int, int], int], hashes: Sequence[int], alive: int, i: int) -> bool:
+    """True when some worker of ``alive`` does not hold block ``i``."""
+    return get(hashes[i], 0) & alive != alive
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +84,8 @@ class _WorkerBlocks:
     bit: int
     capacity: int  # blocks
     lru: OrderedDict[int, float] = field(default_factory=OrderedDict)
-    fresh: OrderedDict[int, float] = field(default_factory=OrderedDict)  # recent inserts
+    # first newly inserted block of each recent recording -> time (see ``correct``)
+    fresh: OrderedDict[int, float] = field(default_factory=OrderedDict)
     predicted_tokens: int = 0
     reported_tokens: int = 0
 
@@ -134,25 +149,32 @@ class PrefixIndex:
     # --- match / record --------------------------------------------------------------
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Worker id → number of leading blocks of ``block_hashes`` it holds (if > 0)."""
-        if not block_hashes:
+        """Worker id → number of leading blocks of ``block_hashes`` it holds (if > 0).
+
+        Each worker's believed blocks are prefix-closed (see "Invariant" in the module
+        docstring), so the set of workers holding *all* of blocks ``0..i`` only shrinks
+        with ``i`` and its change points are found by bisection: O(w log n) lookups for
+        w workers, instead of one lookup per block. Stops at once when nobody holds
+        block 0.
+        """
+        n = len(block_hashes)
+        if n == 0:
             return {}
-        # Running AND of holder masks, in C; stops at the first block nobody still holds.
-        # The masks only lose bits, so the sequence is non-increasing and its runs of
-        # equal values can be found by bisection (at most one run per worker).
-        masks = list(
-            takewhile(bool, accumulate(map(self._holders.get, block_hashes, repeat(0)), and_))
-        )
+        get = self._holders.get
+        alive = get(block_hashes[0], 0)
         result: dict[str, int] = {}
-        pos, n = 0, len(masks)
-        while pos < n:
-            value = masks[pos]
-            end = bisect_right(masks, -value, lo=pos, key=neg)
-            while value:
-                low = value & -value
+        pos = 1
+        while alive:
+            end = bisect_left(
+                range(n), True, lo=pos, key=partial(_loses_any, get, block_hashes, alive)
+            )
+            remaining = get(block_hashes[end], 0) & alive if end < n else 0
+            gone = alive & ~remaining
+            while gone:
+                low = gone & -gone
                 result[self._names[low]] = end
-                value ^= low
-            pos = end
+                gone ^= low
+            alive, pos = remaining, end + 1
         return result
 
     def record(self, block_hashes: Sequence[int], worker_id: str, now: float | None = None) -> None:
@@ -161,21 +183,26 @@ class PrefixIndex:
             return
         state = self._state(worker_id)
         t = self._clock() if now is None else now
-        lru, fresh, holders, bit = state.lru, state.fresh, self._holders, state.bit
-        for h in reversed(block_hashes):
-            if h in lru:
-                lru.move_to_end(h)
-                lru[h] = t
-            else:
-                lru[h] = t
-                holders[h] = holders.get(h, 0) | bit
-                fresh[h] = t
+        lru, holders, bit = state.lru, self._holders, state.bit
+        new = list(filterfalse(lru.__contains__, block_hashes))  # in prompt order
+        for h in new:
+            holders[h] = holders.get(h, 0) | bit
+        # Touch deepest first, in C: insert or re-time every block, then move each to the
+        # most-recent end, so block 0 ends up the most recently used.
+        deepest_first = block_hashes[::-1]
+        lru.update(zip(deepest_first, repeat(t)))
+        deque(map(lru.move_to_end, deepest_first), maxlen=0)
+        if new:
+            # where this prompt starts adding to the worker: a sibling routed there while
+            # this one is still in prefill will report a cache miss from here on
+            state.fresh[new[0]] = t
+            state.fresh.move_to_end(new[0])
         self._prune_fresh(state, t)
         self._evict_over_capacity(state)
 
     def _prune_fresh(self, state: _WorkerBlocks, now: float) -> None:
         fresh, horizon = state.fresh, now - self._grace_s
-        while fresh and (len(fresh) > state.capacity or next(iter(fresh.values())) < horizon):
+        while fresh and (len(fresh) > _MAX_FRESH or next(iter(fresh.values())) < horizon):
             fresh.popitem(last=False)
 
     def _evict_over_capacity(self, state: _WorkerBlocks) -> None:
@@ -218,18 +245,34 @@ class PrefixIndex:
         reported_tokens = max(0, reported_tokens)
         state.predicted_tokens += int(predicted_blocks * self._block_tokens)
         state.reported_tokens += reported_tokens
-        keep = int(reported_tokens * (1.0 + self._tolerance) / self._block_tokens)
+        real = reported_tokens / self._block_tokens
+        keep = int(real * (1.0 + self._tolerance))
         if keep >= predicted_blocks:
             return
         t = self._clock() if now is None else now
-        inserted = state.fresh.get(block_hashes[keep])
-        if inserted is not None and t - inserted < self._grace_s:
-            return  # recorded moments ago: a sibling is still in prefill there
+        if self._recently_extended(state, block_hashes, real, predicted_blocks, t):
+            return  # a sibling recorded moments ago is still in prefill there
         lru = state.lru
         for h in block_hashes[keep:]:
             if lru.pop(h, None) is not None:
                 state.fresh.pop(h, None)
                 self._clear(h, state.bit)
+
+    def _recently_extended(
+        self, state: _WorkerBlocks, hashes: Sequence[int], real: float, limit: int, now: float
+    ) -> bool:
+        """Did a recording within the grace period start adding blocks where the real
+        match ends (within the tolerance of the token estimate)?"""
+        fresh = state.fresh
+        if not fresh:
+            return False
+        lo = max(0, int(real * (1.0 - self._tolerance)) - 1)
+        hi = min(limit, int(real * (1.0 + self._tolerance)) + 2)
+        for h in hashes[lo:hi]:
+            inserted = fresh.get(h)
+            if inserted is not None and now - inserted < self._grace_s:
+                return True
+        return False
 
     def evict_idle(self, now: float, max_idle_s: float) -> int:
         """Drop blocks untouched for ``max_idle_s`` seconds; return how many were dropped."""
