@@ -9,7 +9,8 @@ Contract:
   a burst of requests sharing a prefix co-locates.
 - An attempt that fails before any byte reached the client (connect error, timeout while
   connecting, a 5xx or 429 answer, a stream dropped before its first event) is retried on
-  another worker, at most ``max_retries`` times; never once streaming has begun. When
+  another worker, at most ``max_retries`` times; never once streaming has begun, and never
+  after the request timed out (its time budget is spent). When
   attempts run out the last failure is answered: the worker's own 5xx/429 as is, 502 for
   a worker that could not be reached, 504 for a timeout; 503 when no worker is routable.
 - Every attempt's outcome feeds outlier detection; the final one feeds the cost model
@@ -210,6 +211,8 @@ class Router:
                     failure = exc
                     excluded.append(worker.id)
                     self.hooks.attempt_failed(worker, exc.kind, exc.status)
+                    if exc.kind == "timeout":
+                        break  # the time budget is spent; another worker would start over
                     continue
                 status = response.status
                 return response
