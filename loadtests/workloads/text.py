@@ -6,16 +6,16 @@ tokenizer reads as one token, so ``n`` pieces are ``n`` tokens to the simulated 
 The piece sequence for ``(seed, n)`` is a pure function of the seed; a shorter sequence
 with the same seed is a prefix of a longer one (truncated trace blocks rely on this).
 
-Cost: one PRNG seeding and one ``getrandbits`` per sequence, then a table look-up per
-piece: about 10 µs per 512 pieces, plus about 20 µs to render them as text.
+Cost: one SHAKE-128 digest per sequence, then a table look-up per piece: a few µs per
+512 pieces with :class:`PieceCodec` (numpy), about 40 µs to render them as ``str``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
 import sys
 from array import array
+from typing import Any
 
 PIECE_CHARS = 4
 _ONSETS = "bcdfghklmnprstvw"
@@ -31,13 +31,6 @@ def _build_pieces() -> tuple[str, ...]:
 PIECES: tuple[str, ...] = _build_pieces()  # immutable: 1,024 pieces, 10 bits each
 VOCAB_SIZE = len(PIECES)
 _HIGH_BYTE_MASK = bytes(b & 0x03 for b in range(256))
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-def _swap16(raw: bytearray) -> bytearray:
-    swapped = bytearray(len(raw))
-    swapped[0::2], swapped[1::2] = raw[1::2], raw[0::2]
-    return swapped
 
 
 def stable_seed(*parts: object) -> int:
@@ -46,17 +39,55 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little")
 
 
+def raw_piece_ids(seed: int, n: int) -> bytes:
+    """The first ``n`` piece indices as little-endian uint16 bytes (``2 * n`` bytes).
+
+    SHAKE-128 of the seed is the random stream: an extendable-output function, so a
+    shorter sequence is always a prefix of a longer one with the same seed.
+    """
+    if n <= 0:
+        return b""
+    raw = bytearray(hashlib.shake_128(seed.to_bytes(8, "little")).digest(2 * n))
+    raw[1::2] = raw[1::2].translate(_HIGH_BYTE_MASK)  # keep 10 bits of each 16
+    return bytes(raw)
+
+
 def piece_ids(seed: int, n: int) -> array[int]:
     """The first ``n`` piece indices (0..1023) of the sequence seeded by ``seed``."""
-    if n <= 0:
-        return array("H")
-    words = (n + 1) // 2  # whole 32-bit PRNG outputs keep shorter sequences prefixes
-    raw = bytearray(random.Random(seed).getrandbits(32 * words).to_bytes(4 * words, "little"))
-    del raw[2 * n :]
-    raw[1::2] = raw[1::2].translate(_HIGH_BYTE_MASK)  # keep 10 bits of each 16
     ids = array("H")
-    ids.frombytes(bytes(raw) if _LITTLE_ENDIAN else bytes(_swap16(raw)))
+    ids.frombytes(raw_piece_ids(seed, n))
+    if sys.byteorder != "little":
+        ids.byteswap()
     return ids
+
+
+class PieceCodec:
+    """Piece sequences → concatenated fixed-width byte values, one value per piece.
+
+    ``PieceCodec([p.encode() for p in PIECES])`` gives the text's bytes; a table of
+    4-byte token ids gives a radix-cache key. Uses numpy when it is installed (about 7x
+    faster on 512 pieces), else ``bytes.join``; both give the same bytes.
+    """
+
+    def __init__(self, values: list[bytes]) -> None:
+        if len(values) != VOCAB_SIZE or len({len(v) for v in values}) != 1:
+            raise ValueError("one value of one fixed width per piece")
+        self._values = list(values)
+        self._table: Any = None
+        try:
+            import numpy as np
+        except ImportError:  # pragma: no cover - numpy is in the bench extra
+            return
+        width = len(values[0])
+        self._table = np.frombuffer(b"".join(values), dtype=f"S{width}")
+
+    def encode(self, seed: int, n: int) -> bytes:
+        raw = raw_piece_ids(seed, n)
+        if self._table is not None:
+            import numpy as np
+
+            return bytes(self._table[np.frombuffer(raw, dtype="<u2")].tobytes())
+        return b"".join(map(self._values.__getitem__, piece_ids(seed, n)))
 
 
 def render(ids: array[int] | list[int]) -> str:

@@ -1,0 +1,59 @@
+"""Adapter from ``simulator.model.WorkerModel`` (unchanged) to the replay's SimWorker.
+
+Requests are submitted with ``ignore_eos`` (the workload's output length, as the live
+client asks) and ``stream=False``: the model then reports only the first token and the
+finish, which is all the replay reads, and saves one output object per decode step;
+scheduling and timing do not depend on it.
+"""
+
+from __future__ import annotations
+
+from loadtests.replay_workers import SimOutput
+from policies.base import EngineLoad
+from simulator.model import SimRequest, WorkerModel
+from simulator.profiles import Profile
+from simulator.radix_cache import TOKEN_BYTES
+
+
+class ModelWorker:
+    """One simulated worker on the replay's virtual clock."""
+
+    def __init__(self, profile: Profile, capacity_tokens: int, seed: int = 0) -> None:
+        self.model = WorkerModel(profile=profile, capacity_tokens=capacity_tokens, seed=seed)
+
+    def submit(self, rid: str, prompt_key: bytes, max_tokens: int, now: float) -> None:
+        req = SimRequest(rid, prompt_key, max_new_tokens=max_tokens,
+                         ignore_eos=True, stream=False)  # fmt: skip
+        self.model.submit(req, now)
+
+    def step(self, now: float) -> tuple[float, list[SimOutput]] | None:
+        result = self.model.step(now)
+        if result is None:
+            return None
+        outputs = [
+            SimOutput(o.rid, o.first_token, o.finish is not None, o.cached_tokens)
+            for o in result.outputs
+            if o.first_token or o.finish is not None
+        ]
+        return result.duration, outputs
+
+    def true_match(self, prompt_key: bytes) -> int:
+        # what the worker would report as cached_tokens now: at most prompt - 1 tokens
+        return self.model.cache.peek_prefix(prompt_key[:-TOKEN_BYTES])
+
+    def queue_length(self) -> int:
+        return self.model.num_in_system
+
+    def occupancy(self) -> float:
+        cache = self.model.cache
+        return (cache.capacity - cache.available) / cache.capacity
+
+    def engine_load(self) -> EngineLoad:
+        """What ``/v1/loads`` would report now (the model's lagged snapshot)."""
+        snap = self.model.load_snapshot
+        return EngineLoad(
+            running_requests=snap.num_running_reqs,
+            waiting_requests=snap.num_waiting_reqs,
+            waiting_uncached_tokens=snap.num_waiting_uncached_tokens,
+            token_usage=snap.token_usage,
+        )
