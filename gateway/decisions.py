@@ -19,16 +19,18 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from policies.base import Decision, WorkerView
 
 DEFAULT_CAPACITY = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class CandidateScore:
-    """One candidate as the policy saw it: matched prefix tokens and its score (if any)."""
+class CandidateScore(NamedTuple):
+    """One candidate as the policy saw it: matched prefix tokens and its score (if any).
+
+    A named tuple: one is built per candidate per request, and a tuple is the cheapest
+    immutable record Python has (a frozen dataclass costs ~3x more to construct)."""
 
     worker: str
     matched_tokens: int

@@ -40,11 +40,18 @@ from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace import Span
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.decisions import DecisionOutcome, DecisionRecord
 from gateway.logging_setup import set_request_id
 from gateway.telemetry_collector import FleetCollector
+from gateway.telemetry_metrics import (
+    CounterChild,
+    CounterVec,
+    HistogramChild,
+    HistogramVec,
+    PushCollector,
+)
 from gateway.telemetry_snapshot import FleetSnapshot, SnapshotProvider, empty_snapshot
 from gateway.telemetry_tracing import Tracing, TracingConfig
 
@@ -78,80 +85,61 @@ class TelemetryConfig:
 
 
 class _Metrics:
-    """The push-style prometheus metrics, registered in one registry."""
+    """The push-style metric families (lock-free; see ``telemetry_metrics``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.requests = Counter(
-            "gateway_requests_total",
-            "Finished requests.",
-            ["worker", "route", "status"],
-            registry=r,
+        w = ["worker"]
+        self.requests = CounterVec(
+            "gateway_requests", "Finished requests.", ["worker", "route", "status"]
         )
-        self.duration = Histogram(
+        self.duration = HistogramVec(
             "gateway_request_duration_seconds",
             "Request duration, arrival to last byte.",
-            ["worker"],
-            buckets=DURATION_BUCKETS,
-            registry=r,
+            w,
+            DURATION_BUCKETS,
         )
-        self.ttft = Histogram(
+        self.ttft = HistogramVec(
             "gateway_time_to_first_token_seconds",
-            "Arrival to the worker's first byte.",
-            ["worker"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            "Upstream send to the worker's first byte.",
+            w,
+            TTFT_BUCKETS,
         )
-        self.decisions = Counter(
-            "gateway_routing_decisions_total",
-            "Routing decisions.",
-            ["policy", "reason"],
-            registry=r,
+        self.decisions = CounterVec(
+            "gateway_routing_decisions", "Routing decisions.", ["policy", "reason"]
         )
-        self.match_ratio = Histogram(
+        self.match_ratio = HistogramVec(
             "gateway_prefix_match_ratio",
             "Predicted cached share of the prompt at decision.",
             ["policy"],
-            buckets=MATCH_RATIO_BUCKETS,
-            registry=r,
+            MATCH_RATIO_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            "gateway_worker_prompt_tokens_total",
-            "Estimated prompt tokens of finished requests.",
-            ["worker"],
-            registry=r,
+        self.prompt_tokens = CounterVec(
+            "gateway_worker_prompt_tokens", "Estimated prompt tokens of finished requests.", w
         )
-        self.predicted = Counter(
-            "gateway_worker_predicted_cached_tokens_total",
+        self.predicted = CounterVec(
+            "gateway_worker_predicted_cached_tokens",
             "Cached tokens the prefix index predicted for finished requests.",
-            ["worker"],
-            registry=r,
+            w,
         )
-        self.reported = Counter(
-            "gateway_worker_reported_cached_tokens_total",
+        self.reported = CounterVec(
+            "gateway_worker_reported_cached_tokens",
             "Cached tokens the worker reported (cached_tokens) for finished requests.",
-            ["worker"],
-            registry=r,
+            w,
         )
-        self.retries = Counter(
-            "gateway_retries_total",
-            "Attempts retried on another worker.",
-            ["route"],
-            registry=r,
+        self.retries = CounterVec(
+            "gateway_retries", "Attempts retried on another worker.", ["route"]
         )
-        self.upstream_errors = Counter(
-            "gateway_upstream_errors_total",
-            "Failed attempts at a worker.",
-            ["worker", "kind"],
-            registry=r,
+        self.upstream_errors = CounterVec(
+            "gateway_upstream_errors", "Failed attempts at a worker.", ["worker", "kind"]
         )
-        self.ejections = Counter(
-            "gateway_worker_ejections_total", "Outlier ejections.", ["worker"], registry=r
-        )
-        self.per_worker = (
-            self.requests, self.duration, self.ttft, self.prompt_tokens, self.predicted,
-            self.reported, self.upstream_errors, self.ejections,
+        self.ejections = CounterVec("gateway_worker_ejections", "Outlier ejections.", w)
+        families = (
+            self.requests, self.duration, self.ttft, self.decisions, self.match_ratio,
+            self.prompt_tokens, self.predicted, self.reported, self.retries,
+            self.upstream_errors, self.ejections,
         )  # fmt: skip
+        registry.register(PushCollector(families))
+        self.per_worker = [f for f in families if "worker" in f.labelnames]
 
 
 class WorkerStats:
@@ -183,7 +171,7 @@ class WorkerStats:
         self._prompt = metrics.prompt_tokens.labels(worker)
         self._predicted = metrics.predicted.labels(worker)
         self._reported = metrics.reported.labels(worker)
-        self.requests_by_key: dict[tuple[str, int], Any] = {}
+        self.requests_by_key: dict[tuple[str, int], CounterChild] = {}
         self.ttft_recent: deque[tuple[float, float]] = deque(maxlen=window)
         self.requests = 0
         self.errors = 0  # status >= 500
@@ -247,16 +235,6 @@ class RequestTelemetry:
         if self.model is None:
             self.model = record.model
         self._t._decision(record)
-        if self._span is not None:
-            s = self._span
-            if record.model is not None:
-                s.set_attribute("gen_ai.request.model", record.model)
-            s.set_attribute("gateway.policy", record.policy)
-            s.set_attribute("gateway.worker", record.worker)
-            s.set_attribute("gateway.reason", record.reason)
-            s.set_attribute("gateway.candidates", len(record.candidates))
-            s.set_attribute("gateway.matched_tokens", record.matched_tokens)
-            s.set_attribute("gateway.prompt_tokens", record.prompt_tokens)
 
     def upstream_headers(self) -> Mapping[str, str]:
         """Headers to add to the upstream request (W3C trace context); empty when off."""
@@ -306,12 +284,28 @@ class RequestTelemetry:
 def _end_span(
     span: Span, rt: RequestTelemetry, status: int, ttft_s: float | None, reported: int | None
 ) -> None:
-    span.set_attribute("http.response.status_code", status)
-    span.set_attribute("gateway.retries", rt.retries)
+    """Every attribute in one call (each SDK call takes a lock and validates), then end."""
+    attrs: dict[str, Any] = {
+        "gateway.request_id": rt.request_id,
+        "http.route": rt.route,
+        "http.response.status_code": status,
+        "gateway.retries": rt.retries,
+    }
+    if rt.model is not None:
+        attrs["gen_ai.request.model"] = rt.model
+    record = rt.record
+    if record is not None:
+        attrs["gateway.policy"] = record.policy
+        attrs["gateway.worker"] = record.worker
+        attrs["gateway.reason"] = record.reason
+        attrs["gateway.candidates"] = len(record.candidates)
+        attrs["gateway.matched_tokens"] = record.matched_tokens
+        attrs["gateway.prompt_tokens"] = record.prompt_tokens
     if ttft_s is not None:
-        span.set_attribute("gateway.ttft_s", ttft_s)
+        attrs["gateway.ttft_s"] = ttft_s
     if reported is not None:
-        span.set_attribute("gateway.reported_cached_tokens", reported)
+        attrs["gateway.reported_cached_tokens"] = reported
+    span.set_attributes(attrs)
     span.end()
 
 
@@ -361,8 +355,8 @@ class Telemetry:
         self._tracing = Tracing(self.config.tracing, span_exporter)
         self._workers: dict[str, WorkerStats] = {}
         self._error_workers: set[str] = set()  # labelled by errors or ejections only
-        self._decisions: dict[tuple[str, str], Any] = {}
-        self._match_ratio: dict[str, Any] = {}
+        self._decisions: dict[tuple[str, str], CounterChild] = {}
+        self._match_ratio: dict[str, HistogramChild] = {}
         self.reason_counts: dict[tuple[str, str], int] = {}  # (policy, reason) -> decisions
         self._quiet = not self.config.metrics and not self._tracing.enabled
 
@@ -388,12 +382,7 @@ class Telemetry:
         if self._quiet:
             rt: RequestTelemetry = _NoopRequestTelemetry(self, request_id, route, model, None)
         else:
-            span = None
-            if self._tracing.enabled:
-                attrs: dict[str, Any] = {"gateway.request_id": request_id, "http.route": route}
-                if model is not None:
-                    attrs["gen_ai.request.model"] = model
-                span = self._tracing.start(route, headers, attrs)
+            span = self._tracing.start(route, headers) if self._tracing.enabled else None
             rt = RequestTelemetry(self, request_id, route, model, span)
         _CURRENT.set(rt)
         return rt
@@ -462,7 +451,7 @@ class Telemetry:
         self._workers.pop(worker, None)
         self._error_workers.discard(worker)
         for metric in self._m.per_worker:
-            metric.remove_by_labels({"worker": worker})
+            metric.remove_worker(worker)
 
     def _prune(self, snap: FleetSnapshot) -> None:
         known = {w.worker for w in snap.workers}

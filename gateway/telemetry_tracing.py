@@ -4,13 +4,20 @@ Each :class:`Tracing` owns its own ``TracerProvider`` (never the global one), so
 several gateways in one process do not share state. The exporter comes from config:
 ``none`` (default: no provider is built at all and no span object is ever created),
 ``console`` (JSON lines on stdout), or ``otlp`` (needs ``opentelemetry-exporter-otlp``;
-refused at start when it is not importable). Sampling is parent-based: an incoming W3C
-``traceparent`` decides; otherwise a trace-id ratio.
+refused at start when it is not importable).
+
+Sampling is parent-based: an incoming W3C ``traceparent`` decides. Otherwise the
+gateway draws against ``sampling_ratio`` *before* touching the SDK, so a request that is
+not sampled costs one random draw: no span object, no ``traceparent`` sent (its worker
+starts its own trace, if it traces at all). A sampled span costs tens of microseconds
+(``loadtests/telemetry_bench.py``), hence attributes are set in one call at the end and
+``traceparent`` is formatted here rather than by the SDK's propagator.
 """
 
 from __future__ import annotations
 
 import importlib
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,7 +31,7 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -81,10 +88,12 @@ class Tracing:
         self.enabled = exporter is not None or config.exporter != "none"
         self._provider: TracerProvider | None = None
         self._propagator = TraceContextTextMapPropagator()
+        self._ratio = config.sampling_ratio
+        self._rng = random.Random()
         if not self.enabled:
             return
         provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(config.sampling_ratio)),
+            sampler=ParentBased(ALWAYS_ON),  # roots are drawn in ``start``
             resource=Resource.create({"service.name": config.service_name}),
             shutdown_on_exit=False,
         )
@@ -97,22 +106,24 @@ class Tracing:
         self._provider = provider
         self._tracer = provider.get_tracer("gateway")
 
-    def start(
-        self, name: str, headers: Mapping[str, str] | None, attributes: Mapping[str, Any]
-    ) -> Span:
-        """Start a SERVER span, child of the caller's ``traceparent`` when it sent one."""
+    def start(self, name: str, headers: Mapping[str, str] | None) -> Span | None:
+        """A SERVER span, child of the caller's ``traceparent`` when it sent one; ``None``
+        when this request is not sampled (and has no parent)."""
         parent = None
         if headers is not None and "traceparent" in headers:
             parent = self._propagator.extract(headers)
-        return self._tracer.start_span(
-            name, context=parent, kind=SpanKind.SERVER, attributes=attributes
-        )
+        elif self._ratio < 1.0 and self._rng.random() >= self._ratio:
+            return None
+        return self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
 
     def inject(self, span: Span) -> dict[str, str]:
         """Headers (``traceparent``, maybe ``tracestate``) that make a worker's span a child."""
-        carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, context=trace.set_span_in_context(span))
-        return carrier
+        ctx = span.get_span_context()
+        if ctx.trace_state:
+            carrier: dict[str, str] = {}
+            self._propagator.inject(carrier, context=trace.set_span_in_context(span))
+            return carrier
+        return {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"}
 
     def shutdown(self) -> None:
         """Flush and stop the exporter. Idempotent."""

@@ -105,15 +105,29 @@ def test_finish_twice_ends_span_once(traced: Telemetry, exporter: InMemorySpanEx
     assert len(exporter.get_finished_spans()) == 1
 
 
-def test_sampling_ratio_zero_records_nothing(exporter: InMemorySpanExporter) -> None:
+def test_sampling_ratio_zero_creates_no_root_span(exporter: InMemorySpanExporter) -> None:
     t = Telemetry(
         TelemetryConfig(tracing=TracingConfig(sampling_ratio=0.0)), span_exporter=exporter
     )
     rt = t.begin_request("r", ROUTE)
-    flags = rt.upstream_headers()["traceparent"].rsplit("-", 1)[1]
-    assert int(flags, 16) & 1 == 0  # not sampled, still propagated
+    assert rt._span is None
+    assert dict(rt.upstream_headers()) == {}
     rt.finish(200)
     assert exporter.get_finished_spans() == ()
+    # a sampled parent still decides: its trace continues through the gateway
+    rt = t.begin_request("r2", ROUTE, headers={"traceparent": PARENT})
+    rt.finish(200)
+    assert len(exporter.get_finished_spans()) == 1
+    t.shutdown()
+
+
+def test_sampling_ratio_is_honoured(exporter: InMemorySpanExporter) -> None:
+    t = Telemetry(
+        TelemetryConfig(tracing=TracingConfig(sampling_ratio=0.25)), span_exporter=exporter
+    )
+    for i in range(400):
+        t.begin_request(f"r{i}", ROUTE).finish(200)
+    assert 50 <= len(exporter.get_finished_spans()) <= 150
     t.shutdown()
 
 
