@@ -218,6 +218,8 @@ class Router:
                 return response
             status, error = _final_error(failure, request_id)
             if isinstance(error, web.Response):
+                log.warning("request %s: workers failed; relaying the last answer, %d",
+                            request_id, status)
                 return error
             raise error
         finally:
