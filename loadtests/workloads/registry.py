@@ -27,9 +27,15 @@ WorkloadFactory = Callable[..., Workload]
 
 
 def _mooncake_synthetic(
-    path: str = str(MOONCAKE_SYNTHETIC), speed: float = 1.0, limit: int = 0, seed: int = 0
+    path: str = str(MOONCAKE_SYNTHETIC),
+    speed: float = 1.0,
+    limit: int = 0,
+    seed: int = 0,
+    session_block: int = -1,
 ) -> Workload:
-    return mooncake_trace(path=path, speed=speed, limit=limit, seed=seed)
+    return mooncake_trace(
+        path=path, speed=speed, limit=limit, seed=seed, session_block=session_block
+    )
 
 
 WORKLOADS: Mapping[str, WorkloadFactory] = {

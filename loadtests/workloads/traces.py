@@ -36,9 +36,19 @@ def _check_speed(speed: float) -> None:
 
 
 def mooncake_trace(
-    path: str = str(MOONCAKE_CONVERSATION), speed: float = 1.0, limit: int = 0, seed: int = 0
+    path: str = str(MOONCAKE_CONVERSATION),
+    speed: float = 1.0,
+    limit: int = 0,
+    seed: int = 0,
+    session_block: int = -1,
 ) -> Workload:
-    """Read a Mooncake JSONL trace (``timestamp`` in ms)."""
+    """Read a Mooncake JSONL trace (``timestamp`` in ms).
+
+    The trace names no sessions. ``session_block >= 0`` derives one: the id of block
+    ``session_block`` (or the last block, if shorter) becomes ``session_id``, so a
+    conversation's turns share it (block 1 for the conversation trace, whose block 0 every
+    request shares; block 0 for the synthetic trace). Only key-affinity policies read it.
+    """
     _check_speed(speed)
     requests: list[WorkloadRequest] = []
     with open(path, "rb") as f:
@@ -49,17 +59,22 @@ def mooncake_trace(
                 continue
             row = orjson.loads(line)
             prompt = TracePrompt(tuple(row["hash_ids"]), int(row["input_length"]), seed=seed)
+            session = None
+            if session_block >= 0:
+                session = f"b{prompt.hash_ids[min(session_block, len(prompt.hash_ids) - 1)]}"
             requests.append(
                 WorkloadRequest(
                     len(requests),
                     float(row["timestamp"]) / 1000.0,
                     max(1, int(row["output_length"])),
                     trace=prompt,
+                    session_id=session,
                 )
             )
     start = min((r.arrival_s for r in requests), default=0.0)
     shifted = [_shift(r, start, speed) for r in requests]
-    return finish("mooncake", shifted, dict(path=path, speed=speed, limit=limit, seed=seed))
+    params = dict(path=path, speed=speed, limit=limit, seed=seed, session_block=session_block)
+    return finish("mooncake", shifted, params)
 
 
 def _shift(req: WorkloadRequest, start: float, speed: float) -> WorkloadRequest:

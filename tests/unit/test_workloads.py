@@ -150,6 +150,10 @@ def test_mooncake_trace_blocks_text_and_time_scale(tmp_path: Path) -> None:
     block = 512 * PIECE_CHARS
     assert a[:block] == b[:block] and a[block : 2 * block] != b[block : 2 * block]
     assert first.chat_messages() == [{"role": "user", "content": a}]
+    assert first.session_id is None
+    keyed = create_workload("mooncake", [f"path={path}", "session_block=1"])
+    assert [r.session_id for r in keyed.requests] == ["b1", "b3"]
+    assert keyed.requests[0].body()["user"] == "b1"
 
 
 def test_trace_prompt_truncated_block_is_a_prefix_of_the_full_block() -> None:
