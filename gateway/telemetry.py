@@ -143,7 +143,10 @@ class _Metrics:
 
 
 class WorkerStats:
-    """Per-worker cached metric children plus plain figures for the dashboard."""
+    """Per-worker cached metric children plus plain figures for the dashboard.
+
+    Series other than requests and duration appear on first use, so a worker label that
+    only ever saw rejected requests (``none``) carries no empty TTFT or token series."""
 
     __slots__ = (
         "_m",
@@ -167,10 +170,10 @@ class WorkerStats:
         self.worker = worker
         self._m = metrics
         self.duration = metrics.duration.labels(worker)
-        self.ttft = metrics.ttft.labels(worker)
-        self._prompt = metrics.prompt_tokens.labels(worker)
-        self._predicted = metrics.predicted.labels(worker)
-        self._reported = metrics.reported.labels(worker)
+        self.ttft: HistogramChild | None = None
+        self._prompt: CounterChild | None = None
+        self._predicted: CounterChild | None = None
+        self._reported: CounterChild | None = None
         self.requests_by_key: dict[tuple[str, int], CounterChild] = {}
         self.ttft_recent: deque[tuple[float, float]] = deque(maxlen=window)
         self.requests = 0
@@ -191,13 +194,25 @@ class WorkerStats:
         if status >= 500:
             self.errors += 1
 
+    def observe_ttft(self, ttft_s: float) -> None:
+        """One time to first token."""
+        if self.ttft is None:
+            self.ttft = self._m.ttft.labels(self.worker)
+        self.ttft.observe(ttft_s)
+        self.ttft_recent.append((time.monotonic(), ttft_s))
+
     def tokens(self, prompt: int, predicted: int, reported: int | None) -> None:
         """Index fidelity figures of one successful request."""
+        if self._prompt is None or self._predicted is None:
+            self._prompt = self._m.prompt_tokens.labels(self.worker)
+            self._predicted = self._m.predicted.labels(self.worker)
         self.prompt_tokens += prompt
         self.predicted_tokens += predicted
         self._prompt.inc(prompt)
         self._predicted.inc(predicted)
         if reported is not None:
+            if self._reported is None:
+                self._reported = self._m.reported.labels(self.worker)
             self.reported_prompt_tokens += prompt
             self.reported_tokens += reported
             self._reported.inc(reported)
@@ -422,8 +437,7 @@ class Telemetry:
         ws.count(rt.route, status)
         ws.duration.observe(duration)
         if ttft_s is not None:
-            ws.ttft.observe(ttft_s)
-            ws.ttft_recent.append((time.monotonic(), ttft_s))
+            ws.observe_ttft(ttft_s)
         if record is not None and status < 400:
             ws.tokens(record.prompt_tokens, record.matched_tokens, reported)
 

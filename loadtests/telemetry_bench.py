@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -334,10 +334,32 @@ _LOADS = orjson.dumps(
 _INFO = orjson.dumps({"model_path": "fake", "max_total_num_tokens": 100000, "page_size": 1})
 
 
-def _fake_worker_app() -> web.Application:
-    async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=_CHAT, content_type="application/json")
+_SSE = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
+    b'"delta":{"content":"ok"}}]}\n\n'
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":'
+    b'{"prompt_tokens":40,"completion_tokens":1,"prompt_tokens_details":'
+    b'{"cached_tokens":32}}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+def fake_worker_app(traceparents: list[str] | None = None) -> web.Application:
+    """A trivial SGLang-shaped worker: chat (JSON or SSE, 32 cached tokens reported),
+    health, loads and server info. Appends each request's ``traceparent`` (or "") to
+    ``traceparents`` when given."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if traceparents is not None:
+            traceparents.append(request.headers.get("traceparent", ""))
+        if b'"stream":true' not in body.replace(b" ", b""):
+            return web.Response(body=_CHAT, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(_SSE)
+        await response.write_eof()
+        return response
 
     def fixed(body: bytes) -> Callable[[web.Request], Any]:
         async def handler(_: web.Request) -> web.Response:
@@ -366,67 +388,21 @@ async def _serve_forever(app: web.Application, ports: Sequence[int]) -> None:
         await runner.cleanup()
 
 
-def instrument_gateway(app: web.Application, telemetry: Telemetry) -> None:
-    """Attach telemetry to an app from ``build_app`` (before it starts).
-
-    A stand-in for the wiring in ``gateway/app.py`` (see docs/TELEMETRY.md): it reaches
-    the router's index and outlier detector through private attributes.
-    """
-    from gateway import keys
-    from gateway.debug_api import add_telemetry_routes
-    from gateway.telemetry_gateway import (
-        IndexStatsSource,
-        RegistrySnapshot,
-        TelemetryHooks,
-        telemetry_middleware,
-    )
-
-    add_telemetry_routes(app, telemetry=telemetry, decisions=app[keys.DECISIONS])
-    app.middlewares.append(telemetry_middleware(telemetry))
-
-    async def attach(app: web.Application) -> None:  # runs after the app's cleanup_ctx
-        router = app[keys.ROUTER]
-        router.hooks = TelemetryHooks(telemetry)
-        router._outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
-        app[keys.REGISTRY].on_removed(lambda w: telemetry.forget_worker(w.id))
-        telemetry.use_snapshot(
-            RegistrySnapshot(
-                app[keys.REGISTRY],
-                index=cast(IndexStatsSource, router._index),
-                admission=app[keys.ADMISSION],
-                policy=router.policy.name,
-            )
-        )
-
-    app.on_startup.append(attach)
-    app.on_cleanup.append(lambda _: _shutdown(telemetry))
-
-
-async def _shutdown(telemetry: Telemetry) -> None:
-    telemetry.shutdown()
-
-
 def _gateway_app(mode: str, worker_urls: Sequence[str]) -> web.Application:
-    from gateway.app import build_app
+    """The real gateway; ``off`` sets ``telemetry.metrics: false`` (tracing is off by
+    default); ``metrics+tracing`` samples every request into a :class:`DropExporter`."""
+    import gateway.app
     from gateway.config import config_from_dict, merge
 
-    config = config_from_dict(
-        merge(
-            {},
-            {
-                "workers": list(worker_urls),
-                "policy.name": "round_robin",
-                "policy.seed": 1,
-                "health.endpoint": "/ping",
-                "server.log_level": "warning",
-            },
-        )
-    )
-    app = build_app(config)
-    if mode != "off":
-        exporter = DropExporter() if mode == "metrics+tracing" else None
-        instrument_gateway(app, Telemetry(span_exporter=exporter))
-    return app
+    settings = {
+        "workers": list(worker_urls), "policy.name": "round_robin", "policy.seed": 1,
+        "health.endpoint": "/ping", "server.log_level": "warning",
+        "telemetry.metrics": mode != "off",
+    }  # fmt: skip
+    if mode == "metrics+tracing":
+        # This bench process only: the app's factory, with an exporter that drops spans.
+        gateway.app.make_telemetry = lambda _: Telemetry(span_exporter=DropExporter())  # type: ignore[assignment]
+    return gateway.app.build_app(config_from_dict(merge({}, settings)))
 
 
 def _spawn(args: Sequence[str]) -> tuple[subprocess.Popen[str], list[int]]:
@@ -573,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "e2e":
         _report_e2e(e2e(args.seconds, args.concurrency, args.rounds))
     elif args.cmd == "_worker":
-        _run_uvloop(_serve_forever(_fake_worker_app(), args.ports))
+        _run_uvloop(_serve_forever(fake_worker_app(), args.ports))
     else:
         _run_uvloop(_gateway_main(args.mode, args.workers))
     return 0
