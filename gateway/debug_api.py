@@ -36,6 +36,10 @@ def _ratio(num: int, den: int) -> float | None:
     return None if den <= 0 else num / den
 
 
+def _capped(rate: float | None) -> float | None:
+    return None if rate is None else min(1.0, rate)
+
+
 def _percentiles(ws: WorkerStats | None, window_s: float) -> dict[str, float | None]:
     if ws is None:
         return {"p50": None, "p90": None, "p99": None}
@@ -58,8 +62,10 @@ def _hit_rates(ws: WorkerStats | None) -> dict[str, Any]:
         "prompt_tokens": ws.prompt_tokens,
         "predicted_tokens": ws.predicted_tokens,
         "reported_tokens": ws.reported_tokens,
-        "predicted_hit_rate": _ratio(ws.predicted_tokens, ws.prompt_tokens),
-        "reported_hit_rate": _ratio(ws.reported_tokens, ws.reported_prompt_tokens),
+        # Prompt tokens are the gateway's estimate (characters / ratio), which can fall
+        # short of the worker's count: rates are capped at 1.
+        "predicted_hit_rate": _capped(_ratio(ws.predicted_tokens, ws.prompt_tokens)),
+        "reported_hit_rate": _capped(_ratio(ws.reported_tokens, ws.reported_prompt_tokens)),
     }
 
 

@@ -7,19 +7,26 @@ after traffic. Saves a screenshot under pytest's tmp_path. Skipped only when
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 
+import gateway.app
+from gateway import keys
+from gateway.config import config_from_dict, merge
 from gateway.debug_api import add_telemetry_routes
 from gateway.decisions import CandidateScore, DecisionLog, DecisionRecord
 from gateway.logging_setup import REQUEST_ID
+from gateway.server import start_site
 from gateway.telemetry import _CURRENT, Telemetry
 from gateway.telemetry_snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
+from simulator.fleet import SimConfig, SimulatedFleet
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -165,3 +172,64 @@ async def test_dashboard_on_fake_fleet(browser: Browser, tmp_path: Path) -> None
     finally:
         await runner.cleanup()
         telemetry.shutdown()
+
+
+async def _shared_prefix_traffic(url: str, n: int) -> None:
+    """``n`` chat requests in 4 groups sharing a long system prompt, 4 at a time."""
+    systems = [f"You are assistant {g}. " + "Follow the house style. " * 120 for g in range(4)]
+    sem = asyncio.Semaphore(4)
+    async with aiohttp.ClientSession() as session:
+
+        async def one(i: int) -> None:
+            body = {"model": "sim-model", "max_tokens": 4, "stream": i % 2 == 0,
+                    "messages": [{"role": "system", "content": systems[i % 4]},
+                                 {"role": "user", "content": f"question {i}"}]}  # fmt: skip
+            async with sem, session.post(url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                assert resp.status == 200
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def test_dashboard_through_gateway_and_simulated_fleet(
+    browser: Browser, tmp_path: Path
+) -> None:
+    async with await SimulatedFleet.start(3, SimConfig(speed=50.0)) as fleet:
+        config = config_from_dict(merge({}, {
+            "workers": fleet.urls, "policy.name": "min_ttft", "policy.seed": 3,
+            "health.interval_s": 0.1, "health.success_threshold": 1,
+            "load.poll_interval_s": 0.2,
+        }))  # fmt: skip
+        app = gateway.app.build_app(config)
+        runner, port = await start_site(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            ids = [w.id for w in app[keys.REGISTRY]]
+            page, errors = await open_dashboard(browser, url)
+            for wid in ids:
+                await page.wait_for_selector(f'#workers tbody tr[data-worker="{wid}"]')
+            await page.wait_for_function(
+                "document.getElementById('workers-healthy').textContent === '3 / 3'",
+                timeout=10_000,
+            )
+            assert await page.inner_text("#total-requests") == "0"
+            assert await page.inner_text("#policy") == "min_ttft"
+
+            await _shared_prefix_traffic(url, 24)
+            await page.wait_for_function(
+                "document.getElementById('total-requests').textContent === '24'", timeout=10_000
+            )
+            await page.wait_for_function(
+                "document.querySelectorAll('#decisions tbody tr').length === 20", timeout=10_000
+            )
+            hits = [
+                await page.inner_text(f'#workers tr[data-worker="{wid}"] td[data-col="9"]')
+                for wid in ids
+            ]
+            assert any(h.endswith("%") and h != "0.0%" for h in hits), hits  # reported hit
+            assert await page.locator("#reasons tr[data-reason]").count() >= 1
+            await page.screenshot(path=str(tmp_path / "dashboard-gateway.png"), full_page=True)
+            assert errors == []
+            await page.close()
+        finally:
+            await runner.cleanup()
