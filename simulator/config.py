@@ -1,0 +1,61 @@
+"""Configuration of a simulated worker (one per fleet; every worker gets the same)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simulator.faults import Faults
+from simulator.profiles import DEFAULT_PROFILE, Profile, get_profile
+
+SGLANG_VERSION = "0.5.23"
+
+
+@dataclass
+class SimConfig:
+    """Every knob of a simulated worker; all optional.
+
+    ``capacity_tokens`` and ``context_length`` default to the values of the gateway team's
+    contract; ``None`` takes the profile's. ``speed`` scales modelled time: 10 runs the
+    model ten times faster than real time (reported latencies stay in modelled seconds).
+    """
+
+    capacity_tokens: int | None = 420_000
+    speed: float = 1.0
+    profile: str = DEFAULT_PROFILE
+    page_size: int = 1
+    enable_metrics: bool = True
+    enable_cache_report: bool = True
+    seed: int = 0
+    model_path: str = "sim-model"
+    served_model_name: str | None = None
+    legacy_get_load: bool = False
+    max_running_requests: int | None = None
+    context_length: int | None = 131_072
+    schedule_policy: str = "fcfs"
+    api_key: str | None = None
+    # the length at which the "model" emits EOS when the request sets no token limit
+    natural_output_tokens: int = 128
+    health_check_timeout_s: float = 20.0
+    faults: Faults = field(default_factory=Faults)
+
+    def resolved_profile(self) -> Profile:
+        return get_profile(self.profile)
+
+    @property
+    def model_name(self) -> str:
+        """What ``/v1/models`` reports: ``served_model_name``, else ``model_path``."""
+        return self.served_model_name or self.model_path
+
+    def validate(self) -> None:
+        if self.speed <= 0:
+            raise ValueError("speed must be positive")
+        if self.page_size <= 0:
+            raise ValueError("page_size must be positive")
+        if self.capacity_tokens is not None and self.capacity_tokens <= self.page_size:
+            raise ValueError("capacity_tokens must exceed one page")
+        if ":" in self.model_name:
+            raise ValueError("served_model_name must not contain ':' (reserved for LoRA)")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError("schedule_policy must be 'fcfs' or 'lpm'")
+        self.resolved_profile()
+        self.faults.validate()

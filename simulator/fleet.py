@@ -1,0 +1,77 @@
+"""An in-process fleet of simulated workers, for tests, benchmarks and demos.
+
+    async with await SimulatedFleet.start(3, SimConfig(speed=50)) as fleet:
+        fleet.urls                  # ["http://127.0.0.1:PORT", ...]
+        fleet.workers[0].model      # served model name ("sim-model")
+        fleet.workers[0].engine     # the WorkerModel (radix cache, queues, counters)
+        fleet.workers[0].faults     # mutable Faults (or POST /_sim/faults)
+        fleet.workers[0].stats      # SimStats (or GET /_sim/stats)
+        await fleet.stop_worker(1)      # like a killed process: listener closed, connections cut
+        await fleet.restart_worker(1)   # same port, fresh state
+
+All workers share the caller's event loop.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from simulator.config import SimConfig
+from simulator.server import SimulatedWorker
+
+__all__ = ["SimConfig", "SimulatedFleet", "SimulatedWorker"]
+
+
+class SimulatedFleet:
+    def __init__(self, config: SimConfig, host: str) -> None:
+        self.config = config
+        self.host = host
+        self.workers: list[SimulatedWorker] = []
+        self._ports: list[int] = []
+
+    @classmethod
+    async def start(
+        cls, n: int, config: SimConfig | None = None, host: str = "127.0.0.1", base_port: int = 0
+    ) -> SimulatedFleet:
+        """Start ``n`` workers on ``base_port .. base_port+n-1`` (0: ephemeral ports)."""
+        fleet = cls(config or SimConfig(), host)
+        try:
+            for i in range(n):
+                worker = SimulatedWorker(fleet.config, host, base_port + i if base_port else 0, i)
+                await worker.start()
+                fleet.workers.append(worker)
+                fleet._ports.append(worker.port)
+        except BaseException:
+            await fleet.close()
+            raise
+        return fleet
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self.host}:{port}" for port in self._ports]
+
+    async def stop_worker(self, i: int) -> None:
+        """Kill worker ``i``: its listener is closed and its open connections are cut."""
+        await self.workers[i].stop(kill=True)
+
+    async def restart_worker(self, i: int) -> None:
+        """Start worker ``i`` again on its port, with fresh state (empty cache, no faults)."""
+        await self.workers[i].stop(kill=True)
+        worker = SimulatedWorker(self.config, self.host, self._ports[i], i)
+        await worker.start()
+        self.workers[i] = worker
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            await worker.stop(kill=True)
+
+    async def __aenter__(self) -> SimulatedFleet:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,120 @@
+"""Named worker profiles: every constant of the latency and capacity model in one place.
+
+The default, ``llama3-8b-h100``, is the model of PERFORMANCE.md §3 (Llama-3-8B in BF16 on
+one H100-80GB; derived, not measured):
+
+* prefill of ``n`` new tokens over ``c`` cached: ``5 ms + 22 µs·n + 1.3 ns·n·(c + n/2)``
+  (fresh 1k / 8k / 32k prompt ≈ 28 ms / 229 ms / 1.4 s);
+* decode step of a batch of ``B`` requests with total context ``ΣL``:
+  ``max(6 ms, 22 µs·B) + 45 ns·ΣL + 0.5 ms``;
+* mixed step (``mixed_chunk``, off by default as in SGLang):
+  ``max(6 ms, 22 µs·(prefill tokens + B)) + 1.3 ns·Σ prefill pairs + 45 ns·ΣL + 0.5 ms``;
+* chunked prefill of 8,192 tokens per step, ``max_prefill_tokens`` 16,384;
+* KV pool of ≈ 420k tokens (128 KiB per token).
+
+The constants are parameters to calibrate, not truths: compare routers by ranking and
+ratios, never by absolute times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    description: str
+    # prefill-only step: fixed + per new token + attention over (cached + new/2) per new token
+    prefill_fixed_s: float = 5e-3
+    prefill_per_token_s: float = 22e-6
+    attention_per_pair_s: float = 1.3e-9
+    # decode step: max(floor, per request * B) + per context token * ΣL + overhead
+    decode_floor_s: float = 6e-3
+    decode_per_request_s: float = 22e-6
+    decode_per_context_token_s: float = 45e-9
+    decode_overhead_s: float = 0.5e-3
+    # scheduler
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    mixed_chunk: bool = False
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay_steps: int = 600
+    clip_max_new_tokens: int = 4096
+    # capacity and hardware facts reported by /server_info, /v1/loads and /metrics
+    capacity_tokens: int = 420_000
+    context_length: int = 131_072
+    kv_bytes_per_token: int = 131_072
+    weight_gb: float = 14.96
+    graph_gb: float = 0.62
+    accelerator: str = "NVIDIA H100 80GB HBM3"
+    gpu_memory_gb: float = 79.1
+    # seconds the simulated server takes to answer /health (SGLang polls with sleep(1))
+    health_check_min_s: float = 0.0
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        """Modelled duration of a prefill-only step for one request (seconds)."""
+        return (
+            self.prefill_fixed_s
+            + self.prefill_per_token_s * new_tokens
+            + self.attention_per_pair_s * new_tokens * (cached_tokens + new_tokens / 2)
+        )
+
+    def with_overrides(self, **overrides: Any) -> Profile:
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown profile fields: {sorted(unknown)}")
+        return replace(self, **overrides)
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="llama3-8b-h100",
+            description="Llama-3-8B BF16 on one H100-80GB (PERFORMANCE.md §3); ≈420k KV tokens",
+        ),
+        Profile(
+            name="llama3-8b-h200",
+            description="Llama-3-8B BF16 on one H200-141GB: same compute, ≈900k KV tokens",
+            capacity_tokens=900_000,
+            accelerator="NVIDIA H200",
+            gpu_memory_gb=139.8,
+        ),
+        Profile(
+            name="tiny-cpu",
+            description=(
+                "a tiny model on a CPU (like REAL_ENGINE.md's llama.cpp setup): ≈0.5 ms per "
+                "prompt token, 20 ms decode steps, 16k KV tokens"
+            ),
+            prefill_fixed_s=2e-3,
+            prefill_per_token_s=0.5e-3,
+            attention_per_pair_s=20e-9,
+            decode_floor_s=20e-3,
+            decode_per_request_s=2e-3,
+            decode_per_context_token_s=0.5e-6,
+            decode_overhead_s=1e-3,
+            chunked_prefill_size=2048,
+            max_prefill_tokens=4096,
+            capacity_tokens=16_384,
+            context_length=8192,
+            kv_bytes_per_token=8192,
+            weight_gb=0.03,
+            graph_gb=0.0,
+            accelerator="CPU",
+            gpu_memory_gb=0.0,
+        ),
+    )
+}
+DEFAULT_PROFILE = "llama3-8b-h100"
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise ValueError(f"unknown profile {name!r}; known: {known}") from None
