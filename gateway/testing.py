@@ -54,7 +54,8 @@ class GatewayHandle:
 
 
 @contextlib.asynccontextmanager
-async def run_gateway(urls: Sequence[str], **overrides: Any) -> AsyncIterator[GatewayHandle]:
+async def run_gateway(urls: Sequence[str], *, ready_within_s: float = 3.0,
+                      **overrides: Any) -> AsyncIterator[GatewayHandle]:
     settings = {**TEST_DEFAULTS, "workers": list(urls),
                 **{k.replace("__", "."): v for k, v in overrides.items()}}
     config = config_from_dict(merge({}, settings))
@@ -62,8 +63,10 @@ async def run_gateway(urls: Sequence[str], **overrides: Any) -> AsyncIterator[Ga
     runner, port = await start_site(app, "127.0.0.1", 0)
     try:
         handle = GatewayHandle(f"http://127.0.0.1:{port}", app, config)
-        for _ in range(150):  # first probes: a few intervals at most
-            if handle.registry.healthy_count() >= len(urls):
+        deadline = asyncio.get_running_loop().time() + ready_within_s
+        for _ in range(10_000):  # first probes: one interval at most
+            if (handle.registry.healthy_count() >= len(urls)
+                    or asyncio.get_running_loop().time() >= deadline):
                 break
             await asyncio.sleep(0.02)
         yield handle

@@ -3,6 +3,8 @@ request ids, unknown fields, models and readiness."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 from aiohttp import ClientSession
@@ -12,9 +14,9 @@ from gateway.testing import run_gateway, sim_stats
 pytest.importorskip("simulator.fleet")  # lands with the simulated worker
 from simulator.fleet import SimulatedFleet
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}],
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}],
         "max_tokens": 8}
-BODIES = {
+BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": {"model": "m", "prompt": "Once upon a time", "max_tokens": 8},
     "/generate": {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8}},

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import ClientSession
 
 from gateway.registry import HealthFlag
-from gateway.testing import run_gateway, sim_stats
+from gateway.testing import run_gateway, sim_faults, sim_stats
 
 pytest.importorskip("simulator.fleet")  # lands with the simulated worker
 from simulator.fleet import SimulatedFleet
@@ -84,16 +84,16 @@ async def test_404_405_413(fleet: SimulatedFleet, client: ClientSession) -> None
 
 
 async def test_admission_429_and_503(fleet: SimulatedFleet, client: ClientSession) -> None:
-    slow = {**CHAT, "max_tokens": 300, "ignore_eos": True}
     async with run_gateway(fleet.urls[:1], admission__max_concurrent_requests=1,
                            admission__queue_size=1, admission__queue_timeout_s=0.2) as gw:
         url = gw.url + "/v1/chat/completions"
+        await sim_faults(client, fleet.urls[0], latency_s=1.0)  # the slot stays held
 
         async def post(body: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
             async with client.post(url, json=body) as resp:
                 return resp.status, resp.headers.get("Retry-After"), await resp.json()
 
-        holder = asyncio.create_task(post(slow))
+        holder = asyncio.create_task(post(CHAT))
         await asyncio.sleep(0.05)
         waiter = asyncio.create_task(post(CHAT))  # queued, then times out: 503
         await asyncio.sleep(0.05)

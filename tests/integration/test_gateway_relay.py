@@ -15,14 +15,17 @@ from gateway.testing import run_gateway
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x" * 300}], "stream": True}
 
 
-def _script(pieces: list[bytes], drop: bool) -> web.Application:
+ABORTS = web.AppKey("aborts", list)
+
+
+def _script(pieces: list[bytes], drop: bool, pause_s: float = 0.01) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         for piece in pieces:
             await resp.write(piece)
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(pause_s)
         if drop:
             assert request.transport is not None
             request.transport.close()
@@ -33,10 +36,15 @@ def _script(pieces: list[bytes], drop: bool) -> web.Application:
     async def ok(request: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def abort(request: web.Request) -> web.Response:
+        request.app[ABORTS].append(await request.json())
+        return web.Response(text="")
+
     app = web.Application()
+    app[ABORTS] = []
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/ping", ok)
-    app.router.add_post("/abort_request", ok)
+    app.router.add_post("/abort_request", abort)
     return app
 
 
@@ -48,8 +56,9 @@ async def scripted() -> AsyncIterator[list[TestServer]]:
         await server.close()
 
 
-async def _start(servers: list[TestServer], pieces: list[bytes], drop: bool) -> str:
-    server = TestServer(_script(pieces, drop), host="127.0.0.1")
+async def _start(servers: list[TestServer], pieces: list[bytes], drop: bool,
+                 pause_s: float = 0.01) -> str:
+    server = TestServer(_script(pieces, drop, pause_s), host="127.0.0.1")
     await server.start_server()
     servers.append(server)
     return str(server.make_url("")).rstrip("/")
@@ -90,3 +99,19 @@ async def test_drop_before_first_event_is_retried(scripted: list[TestServer]) ->
                 assert resp.status == 200
                 assert resp.headers["x-gateway-worker"] == good
                 assert await resp.read() == b'data: {"a":1}\n\ndata: [DONE]\n\n'
+
+
+async def test_client_disconnect_sends_abort_with_the_rid(scripted: list[TestServer]) -> None:
+    url = await _start(scripted, [b'data: {"a":1}\n\n'] * 50, drop=False, pause_s=0.05)
+    async with run_gateway([url]) as gw, ClientSession() as client:
+        async with client.post(gw.url + "/v1/chat/completions", json=CHAT,
+                               headers={"x-request-id": "gone-1"}) as resp:
+            await resp.content.readany()
+            resp.close()
+        worker = next(iter(gw.registry))
+        for _ in range(100):
+            if scripted[0].app[ABORTS] and worker.in_flight == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert scripted[0].app[ABORTS] == [{"rid": "gone-1"}]
+        assert worker.in_flight == 0 and worker.decoding_requests == 0
