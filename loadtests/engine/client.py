@@ -110,18 +110,21 @@ async def stream_chat(
 
 async def run_clients(
     session: aiohttp.ClientSession,
-    base_url: str,
-    bodies: Sequence[dict[str, Any]],
+    jobs: Sequence[tuple[str, dict[str, Any]]],
     concurrency: int,
     timeout_s: float = 120.0,
 ) -> list[ChatResult]:
-    """Send ``bodies`` in order from ``concurrency`` closed-loop clients; results in order."""
-    results: list[ChatResult | None] = [None] * len(bodies)
-    queue = iter(range(len(bodies)))
+    """Send each ``(base_url, body)`` job, in order, from ``concurrency`` closed-loop clients.
+
+    Results come back in job order.
+    """
+    results: list[ChatResult | None] = [None] * len(jobs)
+    queue = iter(range(len(jobs)))
 
     async def client() -> None:
         for i in queue:  # shared iterator: each index is taken by exactly one client
-            results[i] = await stream_chat(session, base_url, bodies[i], timeout_s)
+            url, body = jobs[i]
+            results[i] = await stream_chat(session, url, body, timeout_s)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return [r for r in results if r is not None]

@@ -44,16 +44,18 @@ class SharedPrefixSpec:
     prefix_tokens: int = 1800
     message_tokens: int = 200
     max_tokens: int = 4
-    seed: int = 0
+    seed: int = 0  # request order
+    text_salt: int = 0  # another salt: the same order with text no worker has cached yet
     model: str = "tiny-llama"
 
 
 def shared_prefix_requests(spec: SharedPrefixSpec) -> list[PrefixRequest]:
-    """The requests, shuffled; deterministic in ``spec`` (including its seed)."""
-    rng = random.Random(spec.seed)
-    prefixes = [syllable_text(rng, spec.prefix_tokens) for _ in range(spec.num_prefixes)]
+    """The requests, shuffled; deterministic in ``spec``. The order depends on ``seed``
+    only, the text on ``seed`` and ``text_salt``."""
     order = [p for p in range(spec.num_prefixes) for _ in range(spec.per_prefix)]
-    rng.shuffle(order)
+    random.Random(spec.seed).shuffle(order)
+    rng = random.Random(f"{spec.seed}:{spec.text_salt}")
+    prefixes = [syllable_text(rng, spec.prefix_tokens) for _ in range(spec.num_prefixes)]
     requests = []
     for index, prefix_id in enumerate(order):
         messages = [

@@ -1,0 +1,198 @@
+"""Routing policies on a real llama.cpp fleet, judged by the engines' own counters.
+
+One fleet (default 4 workers x 2 slots, RAM prompt cache off), one shared-prefix
+workload (8 prefixes of 1,800 tokens, 6 requests each, shuffled, 2 closed-loop clients).
+Each run replays the same request order with fresh text (a new ``text_salt``), so no
+run inherits another's cache. Per run: the engine-reported cached fraction
+(``Δprompt_tokens_cached_total / Δ(cached + prompt_tokens_total)`` over all workers),
+client-side TTFT p50/p90 (first streamed event), wall time, failures.
+
+Targets: ``gateway:<policy>`` (the project's gateway as a subprocess), and client-side
+baselines with no gateway: ``direct:round_robin`` and ``direct:sticky`` (prefix i →
+worker i mod K: the balanced affinity a router should reach).
+
+    python -m loadtests.engine.bench [--targets gateway:round_robin,gateway:min_ttft]
+        [--markdown results/real_engine.md] [--json results/real_engine.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from loadtests.engine.client import ChatResult, engine_session, run_clients
+from loadtests.engine.gateway_proc import run_gateway
+from loadtests.engine.llama_fleet import LlamaFleet
+from loadtests.engine.probe import cache_delta, read_fleet
+from loadtests.engine.tiny_model import ensure_tiny_model
+from loadtests.engine.workload import PrefixRequest, SharedPrefixSpec, shared_prefix_requests
+
+DEFAULT_TARGETS = (
+    "direct:round_robin",
+    "direct:sticky",
+    "gateway:round_robin",
+    "gateway:least_load",
+    "gateway:consistent_hash",
+    "gateway:cache_aware",
+    "gateway:min_ttft",
+)
+Route = Callable[[PrefixRequest], str]
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """One target's run of the workload."""
+
+    target: str
+    requests: int
+    failures: int
+    cached_fraction: float  # engine-reported, fleet-wide
+    ttft_p50_s: float
+    ttft_p90_s: float
+    wall_s: float
+    error: str = ""
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (inclusive method); NaN for no values."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+async def run_workload(
+    urls: Sequence[str], route: Route, requests: Sequence[PrefixRequest], concurrency: int
+) -> tuple[list[ChatResult], float, float]:
+    """Send the requests; return results, engine cached fraction and wall time."""
+    async with engine_session() as session:
+        before = await read_fleet(session, urls)
+        start = time.perf_counter()
+        jobs = [(route(r), r.body) for r in requests]
+        results = await run_clients(session, jobs, concurrency)
+        wall = time.perf_counter() - start
+        after = await read_fleet(session, urls)
+    return results, cache_delta(before, after).cached_fraction, wall
+
+
+def summarize(
+    target: str, results: Sequence[ChatResult], fraction: float, wall: float
+) -> RunResult:
+    """Aggregate one run; failures are requests without a 200 and a usage chunk."""
+    ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    failed = [r for r in results if not r.ok]
+    return RunResult(
+        target=target,
+        requests=len(results),
+        failures=len(failed),
+        cached_fraction=fraction,
+        ttft_p50_s=quantile(ttfts, 0.5),
+        ttft_p90_s=quantile(ttfts, 0.9),
+        wall_s=wall,
+        error=failed[0].error if failed else "",
+    )
+
+
+def direct_route(name: str, urls: Sequence[str]) -> Route:
+    """Client-side baselines: ``round_robin`` over requests, or ``sticky`` by prefix."""
+    if name == "sticky":
+        return lambda r: urls[r.prefix_id % len(urls)]
+    if name == "round_robin":
+        return lambda r: urls[r.index % len(urls)]
+    raise ValueError(f"unknown direct route {name!r}")
+
+
+def run_target(
+    target: str, urls: Sequence[str], requests: Sequence[PrefixRequest], concurrency: int,
+    log_dir: Path, gateway_args: Sequence[str] = (),
+) -> RunResult:  # fmt: skip
+    """Run one ``direct:<route>`` or ``gateway:<policy>`` target; errors become a row."""
+    kind, _, name = target.partition(":")
+    try:
+        if kind == "direct":
+            out = asyncio.run(run_workload(urls, direct_route(name, urls), requests, concurrency))
+            return summarize(target, *out)
+        if kind != "gateway":
+            raise ValueError(f"unknown target kind {kind!r}")
+        with run_gateway(urls, name, log_dir / f"gateway-{name}.log", gateway_args) as gw:
+            out = asyncio.run(run_workload(urls, lambda _: gw.url, requests, concurrency))
+            return summarize(target, *out)
+    except (RuntimeError, ValueError, OSError) as exc:
+        nan = float("nan")
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return RunResult(target, 0, 0, nan, nan, nan, nan, error=first_line)
+
+
+def markdown_table(rows: Sequence[RunResult]) -> str:
+    """The results as a Markdown table."""
+    lines = [
+        "| target | cached fraction (engines) | TTFT p50 | TTFT p90 | wall | failed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.requests == 0:
+            lines.append(f"| {r.target} | not run: {r.error} | | | | |")
+            continue
+        lines.append(
+            f"| {r.target} | {r.cached_fraction:.2f} | {r.ttft_p50_s:.3f} s | "
+            f"{r.ttft_p90_s:.3f} s | {r.wall_s:.1f} s | {r.failures}/{r.requests} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.engine.bench", description=__doc__)
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--per-prefix", type=int, default=6)
+    parser.add_argument("--prefix-tokens", type=int, default=1800)
+    parser.add_argument("--message-tokens", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gateway-arg", action="append", default=[], help="passed to gateway")
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Start the fleet once, run every target, print (and optionally write) the table."""
+    args = _parser().parse_args(argv)
+    spec = SharedPrefixSpec(
+        num_prefixes=args.prefixes, per_prefix=args.per_prefix,
+        prefix_tokens=args.prefix_tokens, message_tokens=args.message_tokens, seed=args.seed,
+    )  # fmt: skip
+    rows: list[RunResult] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-") as tmp,
+        LlamaFleet.start(args.workers, ensure_tiny_model(), slots=args.slots) as fleet,
+    ):
+        for salt, target in enumerate(t for t in args.targets.split(",") if t):
+            requests = shared_prefix_requests(replace(spec, text_salt=salt + 1))
+            row = run_target(
+                target, fleet.urls, requests, args.concurrency, Path(tmp), args.gateway_arg
+            )
+            print(json.dumps(asdict(row)), flush=True)
+            rows.append(row)
+    table = markdown_table(rows)
+    print(table)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

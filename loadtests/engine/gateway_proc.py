@@ -1,0 +1,94 @@
+"""Run the project's gateway as a subprocess in front of given workers, stopped by PID.
+
+``python -m gateway --worker-urls ... --policy P --port PORT`` on 127.0.0.1; ready when
+``GET /health`` answers 200 (and, if the body says how many workers are healthy, when
+all are). A subprocess rather than the in-process app keeps the gateway's event loop
+(uvloop) and CPU apart from the load generator's, as in a real deployment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayProcess:
+    """A running gateway: its URL, PID and log file."""
+
+    url: str
+    pid: int
+    log_path: Path
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now (the OS's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ready(url: str, workers: int) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2.0) as response:
+            body = response.read()
+    except (urllib.error.URLError, OSError):
+        return False
+    try:
+        healthy = json.loads(body).get("healthy_workers", workers)
+    except (ValueError, AttributeError):
+        return True
+    return bool(healthy == workers)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def run_gateway(
+    worker_urls: Sequence[str],
+    policy: str,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    startup_timeout_s: float = 30.0,
+) -> Iterator[GatewayProcess]:
+    """Start the gateway, wait until it is ready, yield it, stop it (SIGTERM, SIGKILL).
+
+    Raises ``RuntimeError`` with the log's tail if it exits or is not ready in time.
+    """
+    port = free_port()
+    args = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port),
+            "--policy", policy, "--worker-urls", *worker_urls, *extra_args]  # fmt: skip
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not _ready(url, len(worker_urls)):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+                raise RuntimeError(f"gateway ({policy}) did not become ready:\n{tail}")
+            time.sleep(0.1)
+        yield GatewayProcess(url=url, pid=process.pid, log_path=log_path)
+    finally:
+        _stop(process)
