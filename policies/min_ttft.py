@@ -21,10 +21,18 @@ scattering groups, which is why it trails cache-aware routing on hit rate
 (PERFORMANCE.md section 2).
 
 Then:
-1. Bounded load: candidates with ``in_flight + 1 > max(ceil(load_factor * (total in flight
-   + 1) / n), load_cap_floor)`` are skipped, so a prefix every request shares (a common
-   system prompt, the Mooncake conversation trace's block 0) cannot collapse the fleet
-   onto one worker even when that worker's estimate stays the lowest.
+1. Bounded load, against collapse: a candidate is skipped when it is *hot* (its share of
+   this policy's recent decisions, an EWMA over about ``share_window`` decisions, exceeds
+   the fair share 1/n by more than ``hot_margin``) and crowded (``in_flight + 1 >
+   max(ceil(load_factor * (total in flight + 1) / n), load_cap_floor)``). A prefix every
+   request shares (a common system prompt, the Mooncake conversation trace's block 0)
+   thus cannot collapse the fleet onto one worker even while that worker's estimate stays
+   the lowest; but a worker that merely drew a few more groups than the others (shares
+   of 1.2-1.6x fair are common: 0.19 against 0.125 on 8 workers) keeps its groups, since
+   re-computing their prefixes elsewhere would buy nothing. With 4 workers a hot worker
+   is held near 0.25 + 0.15 = 0.4 of the decisions: no collapse onto one worker. The
+   share memory makes ``select`` depend on the policy's past decisions, as round robin's
+   counter does.
 2. Near ties: every remaining candidate whose score is within ``tolerance_s +
    tolerance_rel * best`` of the best score is "as good"; among those, the ones holding
    the longest match win, and among them the lowest score; exact ties at random.
@@ -103,17 +111,24 @@ class MinTtftPolicy(Policy):
         load_factor: float = 1.5,
         load_cap_floor: int = 3,
         decode_request_s: float = 1e-4,
+        hot_margin: float = 0.15,
+        share_window: int = 64,
     ) -> None:
         if work_weight < 0 or tolerance_s < 0 or tolerance_rel < 0 or decode_request_s < 0:
             raise ValueError("weights and tolerances must be >= 0")
         if load_factor < 1.0 or load_cap_floor < 1:
             raise ValueError("load_factor must be >= 1 and load_cap_floor >= 1")
+        if hot_margin < 0 or share_window < 1:
+            raise ValueError("hot_margin must be >= 0 and share_window >= 1")
         self._work_weight = work_weight
         self._tolerance_s = tolerance_s
         self._tolerance_rel = tolerance_rel
         self._load_factor = load_factor
         self._load_cap_floor = load_cap_floor
         self._decode_request_s = decode_request_s
+        self._hot_margin = hot_margin
+        self._share_window = share_window
+        self._shares: dict[str, float] = {}  # worker id -> EWMA share of decisions
 
     def estimate(self, worker: WorkerView, prompt_tokens: int) -> tuple[float, float]:
         """(estimated TTFT, this request's own prefill time) on ``worker``, in seconds."""
@@ -152,13 +167,31 @@ class MinTtftPolicy(Policy):
         low = min(scores[w.id] for w in pool)
         tied = [w for w in pool if scores[w.id] == low]
         chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
+        self._remember(chosen.id, candidates)
         return Decision(chosen.id, self._reason(chosen, candidates), estimates)
 
     def _within_load_cap(self, candidates: Sequence[WorkerView]) -> list[WorkerView]:
+        n = len(candidates)
         total = sum(w.in_flight for w in candidates) + 1
-        cap = max(math.ceil(self._load_factor * total / len(candidates)), self._load_cap_floor)
-        eligible = [w for w in candidates if w.in_flight + 1 <= cap]
+        cap = max(math.ceil(self._load_factor * total / n), self._load_cap_floor)
+        hot = 1.0 / n + self._hot_margin
+        eligible = [
+            w
+            for w in candidates
+            if w.in_flight + 1 <= cap or self._shares.get(w.id, 1.0 / n) <= hot
+        ]
         return eligible or list(candidates)
+
+    def _remember(self, chosen: str, candidates: Sequence[WorkerView]) -> None:
+        alpha = 1.0 / self._share_window
+        shares, fair = self._shares, 1.0 / len(candidates)
+        for w in candidates:
+            share = shares.get(w.id, fair) * (1.0 - alpha)
+            shares[w.id] = share + alpha if w.id == chosen else share
+        if len(shares) > 4 * len(candidates):  # workers gone for good: bounded memory
+            ids = {w.id for w in candidates}
+            for wid in [k for k in shares if k not in ids]:
+                del shares[wid]
 
     @staticmethod
     def _reason(chosen: WorkerView, candidates: Sequence[WorkerView]) -> str:
@@ -176,4 +209,6 @@ class MinTtftPolicy(Policy):
             "load_factor": self._load_factor,
             "load_cap_floor": self._load_cap_floor,
             "decode_request_s": self._decode_request_s,
+            "hot_margin": self._hot_margin,
+            "share_window": self._share_window,
         }

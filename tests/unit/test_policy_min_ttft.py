@@ -104,22 +104,40 @@ def test_longest_match_wins_in_near_ties() -> None:
     assert policy.select(ctx(cands)).worker_id == "full"
 
 
-def test_load_cap_excludes_a_crowded_holder() -> None:
-    policy = create_policy("min_ttft", load_factor=1.5, load_cap_floor=3)
+def crowded() -> list[WorkerView]:
     # 7 in flight, 4 workers: cap = max(ceil(1.5 * 8 / 4), 3) = 3; the holder has 3
-    cands = [
+    return [
         WorkerView("holder", in_flight=3, decoding_requests=3, matched_tokens=2048),
         WorkerView("w1", in_flight=2, decoding_requests=2),
         WorkerView("w2", in_flight=1, decoding_requests=1),
         WorkerView("w3", in_flight=1, decoding_requests=1),
     ]
-    assert policy.select(ctx(cands)).worker_id != "holder"
+
+
+def test_load_cap_excludes_a_crowded_hot_holder() -> None:
+    policy = create_policy("min_ttft", load_factor=1.5, load_cap_floor=3)
+    # a fresh policy: every worker at its fair share, nobody hot: affinity wins
+    assert policy.select(ctx(crowded())).worker_id == "holder"
+    # the holder took most recent decisions: hot and crowded, so it is skipped
+    for _ in range(20):
+        policy.select(ctx([WorkerView("holder", matched_tokens=2048), *crowded()[1:]]))
+    assert policy.select(ctx(crowded())).worker_id != "holder"
+    always = create_policy("min_ttft", hot_margin=0.0)
+    assert always.select(ctx(crowded())).worker_id == "holder"  # at exactly its fair share
     loose = create_policy("min_ttft", load_factor=4.0)
-    assert loose.select(ctx(cands)).worker_id == "holder"
+    for _ in range(20):
+        loose.select(ctx([WorkerView("holder", matched_tokens=2048), *crowded()[1:]]))
+    assert loose.select(ctx(crowded())).worker_id == "holder"
 
 
 def test_bad_parameters() -> None:
-    for bad in ({"work_weight": -1.0}, {"load_factor": 0.5}, {"load_cap_floor": 0}):
+    for bad in (
+        {"work_weight": -1.0},
+        {"load_factor": 0.5},
+        {"load_cap_floor": 0},
+        {"hot_margin": -0.1},
+        {"share_window": 0},
+    ):
         with pytest.raises(ValueError):
             create_policy("min_ttft", **bad)
 
@@ -188,10 +206,41 @@ def test_no_collapse_on_one_shared_prefix_with_queue_growth() -> None:
     assert misses <= 4  # one cold prefill per worker at most: the prefix is replicated, not lost
 
 
-def test_concurrency_8_on_4_workers_no_worker_above_half() -> None:
-    # ~8 in flight: each request lives 40 ms, one arrives every 5 ms
+def test_open_loop_short_requests_do_not_collapse() -> None:
+    # ~7 in flight: each request lives 30 ms after its prefill, one arrives every 5 ms
     counts, _ = run(create_policy("min_ttft"), 4, SHARED_2K, interval_s=0.005, decode_s=0.03)
-    assert max(counts.values()) <= 50, counts
+    assert len(counts) >= 2 and max(counts.values()) <= 60, counts
+
+
+def closed_loop(
+    policy: Policy, clients: int = 8, n_workers: int = 4, requests: int = 200, seed: int = 0
+) -> Counter[str]:
+    """``clients`` users each sending the next request when the previous one finishes;
+    every prompt shares one 8k-token prefix (the issue's concurrency-8 collapse test)."""
+    sim = [SimWorker(f"w{i}") for i in range(n_workers)]
+    rng = random.Random(seed)
+    ready = sorted((rng.random() * 0.01, c) for c in range(clients))
+    counts: Counter[str] = Counter()
+    for _ in range(requests):
+        now, client = ready.pop(0)
+        views = [w.view(now, 8192 if 0 in w.holds else 0) for w in sim]
+        chosen_id = policy.select(RouteContext(8192 + 128, views, rng)).worker_id
+        chosen = next(w for w in sim if w.id == chosen_id)
+        chosen.dispatch(now, 128 if 0 in chosen.holds else 8192 + 128, rng.uniform(0.5, 1.5))
+        chosen.holds.add(0)
+        counts[chosen_id] += 1
+        ready.append((chosen.requests[-1][1], client))
+        ready.sort()
+    return counts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_concurrency_8_on_4_workers_no_worker_above_half(seed: int) -> None:
+    counts = closed_loop(create_policy("min_ttft"), seed=seed)
+    assert max(counts.values()) <= 100, counts
+    # without the hot-worker cap the holder keeps nearly everything
+    uncapped = closed_loop(create_policy("min_ttft", load_factor=100.0), seed=seed)
+    assert max(uncapped.values()) > 100, uncapped
 
 
 def test_without_contention_affinity_keeps_everything_on_the_holder() -> None:
