@@ -344,15 +344,22 @@ _SSE = (
 )
 
 
-def fake_worker_app(traceparents: list[str] | None = None) -> web.Application:
+def fake_worker_app(
+    traceparents: list[str] | None = None, failures: list[int] | None = None, delay_s: float = 0.0
+) -> web.Application:
     """A trivial SGLang-shaped worker: chat (JSON or SSE, 32 cached tokens reported),
     health, loads and server info. Appends each request's ``traceparent`` (or "") to
-    ``traceparents`` when given."""
+    ``traceparents`` when given; answers chat with the statuses popped from ``failures``
+    first (while any remain); sleeps ``delay_s`` before answering."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         if traceparents is not None:
             traceparents.append(request.headers.get("traceparent", ""))
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        if failures:
+            return web.Response(status=failures.pop(0), text='{"error": "injected"}')
         if b'"stream":true' not in body.replace(b" ", b""):
             return web.Response(body=_CHAT, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -383,9 +390,17 @@ async def _serve_forever(app: web.Application, ports: Sequence[int]) -> None:
         await web.TCPSite(runner, "127.0.0.1", port).start()
     print(" ".join(str(a[1]) for a in runner.addresses), flush=True)
     try:
-        await asyncio.Event().wait()
+        await _until_sigterm()
     finally:
         await runner.cleanup()
+
+
+async def _until_sigterm() -> None:
+    import signal
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
 
 
 def _gateway_app(mode: str, worker_urls: Sequence[str]) -> web.Application:
@@ -486,7 +501,7 @@ async def _gateway_main(mode: str, workers: Sequence[str]) -> None:
     runner, port = await start_site(_gateway_app(mode, workers), "127.0.0.1", 0)
     print(port, flush=True)
     try:
-        await asyncio.Event().wait()
+        await _until_sigterm()
     finally:
         await runner.cleanup()
 
@@ -495,13 +510,10 @@ async def _gateway_main(mode: str, workers: Sequence[str]) -> None:
 
 
 def _run_uvloop(coro: Any) -> None:
-    import signal
-
     import uvloop
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with (
-        contextlib.suppress(SystemExit, KeyboardInterrupt),
+        contextlib.suppress(KeyboardInterrupt),
         asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
     ):
         runner.run(coro)

@@ -8,6 +8,7 @@ with candidates; a removed worker's series disappear.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -55,8 +56,14 @@ async def _site(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-@pytest.fixture
-async def env(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Env]:
+@contextlib.asynccontextmanager
+async def gateway_env(
+    monkeypatch: pytest.MonkeyPatch,
+    failures: list[int] | None = None,
+    delay_s: float = 0.0,
+    **overrides: object,
+) -> AsyncIterator[Env]:
+    """The real gateway over 3 fake workers; the first worker fails with ``failures``."""
     spans = InMemorySpanExporter()
     built: list[Telemetry] = []
 
@@ -66,11 +73,14 @@ async def env(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Env]:
 
     monkeypatch.setattr(gateway.app, "make_telemetry", make_telemetry)
     traceparents: list[str] = []
-    workers = [await _site(fake_worker_app(traceparents)) for _ in range(3)]
+    workers = [
+        await _site(fake_worker_app(traceparents, failures if i == 0 else None, delay_s))
+        for i in range(3)
+    ]
     config = config_from_dict(merge({}, {
         "workers": [url for _, url in workers], "policy.name": "round_robin",
         "policy.seed": 1, "health.endpoint": "/ping", "health.interval_s": 0.1,
-        "health.success_threshold": 1, "load.poll_interval_s": 0.1,
+        "health.success_threshold": 1, "load.poll_interval_s": 0.1, **overrides,
     }))  # fmt: skip
     app = gateway.app.build_app(config)
     (telemetry,) = built
@@ -87,6 +97,12 @@ async def env(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Env]:
         await runner.cleanup()
         for worker_runner, _ in workers:
             await worker_runner.cleanup()
+
+
+@pytest.fixture
+async def env(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Env]:
+    async with gateway_env(monkeypatch) as e:
+        yield e
 
 
 async def metrics(env: Env) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -194,3 +210,30 @@ async def test_removed_worker_series_vanish(env: Env) -> None:
     m = await metrics(env)
     assert not [k for k in m if dict(k[1]).get("worker") == gone]
     assert len(by(m, "gateway_requests_total", route=CHAT)) == 2
+
+
+async def test_retries_and_upstream_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with gateway_env(monkeypatch, failures=[503, 503]) as env:
+        statuses = [await chat(env) for _ in range(6)]
+        assert statuses == [200] * 6  # each 503 retried on another worker
+        m = await metrics(env)
+        first = env.app[keys.REGISTRY].find(env.app[keys.CONFIG].workers[0])
+        assert first is not None
+        assert by(m, "gateway_upstream_errors_total", kind="http_5xx") == {first.id: 2.0}
+        assert by(m, "gateway_retries_total") == {"": 2.0}
+        assert sum(by(m, "gateway_routing_decisions_total").values()) == 8.0
+        assert sum(by(m, "gateway_requests_total", status="200").values()) == 6.0
+        spans = env.spans.get_finished_spans()
+        assert sorted(dict(s.attributes or {})["gateway.retries"] for s in spans) == [
+            0, 0, 0, 0, 1, 1,
+        ]  # fmt: skip
+
+
+async def test_admission_rejections(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = {"admission.max_concurrent_requests": 1, "admission.queue_size": 0}
+    async with gateway_env(monkeypatch, delay_s=0.3, **limits) as env:
+        statuses = sorted(await asyncio.gather(*(chat(env) for _ in range(4))))
+        assert statuses == [200, 429, 429, 429]
+        m = await metrics(env)
+        assert by(m, "gateway_admission_rejections_total", reason="queue_full") == {"": 3.0}
+        assert by(m, "gateway_requests_total", status="429") == {"none": 3.0}
