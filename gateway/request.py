@@ -185,7 +185,7 @@ def _include_usage(obj: Mapping[str, Any]) -> bool:
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "top_k", "seed", "min_tokens")
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
-_STRING_FIELDS = ("user", "cache_salt", "extra_key", "lora_path")
+_STRING_FIELDS = ("user", "cache_salt", "extra_key")  # lora_path may be a list (batches)
 
 
 def _check_numbers(obj: Mapping[str, Any]) -> None:
@@ -208,7 +208,7 @@ def _namespace(obj: Mapping[str, Any]) -> str | None:
     parts = [obj.get(k) for k in ("cache_salt", "extra_key", "lora_path")]
     if not any(parts):
         return None
-    return "\x00".join(p if isinstance(p, str) else "" for p in parts)
+    return "\x00".join(p if isinstance(p, str) else _json(p) if p else "" for p in parts)
 
 
 def _routing_key(

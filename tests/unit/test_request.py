@@ -317,3 +317,11 @@ def test_body_with_existing_rid_unchanged() -> None:
 def test_unknown_fields_untouched() -> None:
     body = b'{"messages":[{"role":"user","content":"hi"}],"weird":{"nested":[1,2,3]}}'
     assert parse_request(ApiKind.CHAT, body, {}, S).body is body
+
+
+def test_batch_lora_list_is_a_namespace() -> None:
+    text = ["x" * 300, "y" * 300]
+    plain = parse(ApiKind.GENERATE, {"text": text})
+    lora = parse(ApiKind.GENERATE, {"text": text, "lora_path": ["a", "b"], "rid": ["1", "2"]})
+    assert plain.prompt_chars == lora.prompt_chars == 600
+    assert not set(plain.block_hashes) & set(lora.block_hashes)
