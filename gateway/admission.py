@@ -1,9 +1,10 @@
 """Admission control: a concurrency limit with a bounded FIFO queue and a queue timeout.
 
-Contract: ``async with admission.slot():`` holds one of ``max_concurrent_requests`` slots
-for the body of the block. When none is free the request waits in FIFO order; when
-``queue_size`` requests already wait it is refused at once with 429, and when it waited
-``queue_timeout_s`` it is refused with 503; both carry ``Retry-After``. A limit of 0 (or
+Contract: ``async with admission.slot():`` (or ``acquire()`` ... ``release()`` when
+``limited``) holds one of ``max_concurrent_requests`` slots for the body of the block.
+When none is free the request waits in FIFO order; when ``queue_size`` requests already
+wait it is refused at once with 429, and when it waited ``queue_timeout_s`` it is refused
+with 503; both carry ``Retry-After``. A limit of 0 (or
 -1) disables admission entirely: the fast path costs one comparison. A slot freed while
 requests wait is handed straight to the oldest waiter, so the count never overshoots.
 """
@@ -32,6 +33,11 @@ class Admission:
         self.rejected: dict[str, int] = {REJECT_QUEUE_FULL: 0, REJECT_QUEUE_TIMEOUT: 0}
 
     @property
+    def limited(self) -> bool:
+        """False when admission is off: callers may skip it entirely."""
+        return bool(self._limit)
+
+    @property
     def active(self) -> int:
         return self._active
 
@@ -44,13 +50,14 @@ class Admission:
         if not self._limit:
             yield
             return
-        await self._acquire()
+        await self.acquire()
         try:
             yield
         finally:
-            self._release()
+            self.release()
 
-    async def _acquire(self) -> None:
+    async def acquire(self) -> None:
+        """Take a slot (waiting in the queue); GatewayError 429/503 when refused."""
         if self._active < self._limit and not self._waiters:
             self._active += 1
             return
@@ -64,7 +71,7 @@ class Admission:
             await asyncio.wait_for(asyncio.shield(waiter), self._timeout)
         except (TimeoutError, asyncio.CancelledError) as exc:
             if waiter.done() and not waiter.cancelled():
-                self._release()  # granted as we gave up: pass the slot on
+                self.release()  # granted as we gave up: pass the slot on
             else:
                 waiter.cancel()
                 with contextlib.suppress(ValueError):
@@ -77,7 +84,8 @@ class Admission:
                 ) from None
             raise
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Give back a slot taken with :meth:`acquire`."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():

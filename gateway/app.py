@@ -105,7 +105,9 @@ def _session(config: GatewayConfig) -> aiohttp.ClientSession:
                                      limit_per_host=config.server.connections_per_worker,
                                      keepalive_timeout=60.0)
     # auto_decompress off: bodies are relayed byte for byte, encoding header included.
+    # No cookie jar: workers set no cookies, and filtering them costs every request.
     return aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                 cookie_jar=aiohttp.DummyCookieJar(),
                                  timeout=aiohttp.ClientTimeout(total=None))
 
 
