@@ -7,8 +7,9 @@ run inherits another's cache. Per run: the engine-reported cached fraction
 (``Δprompt_tokens_cached_total / Δ(cached + prompt_tokens_total)`` over all workers),
 client-side TTFT p50/p90 (first streamed event), wall time, failures.
 
-Targets: ``gateway:<policy>`` (the project's gateway as a subprocess), and client-side
-baselines with no gateway: ``direct:round_robin`` and ``direct:sticky`` (prefix i →
+Targets: ``gateway:<policy>`` (the project's gateway as a subprocess),
+``sglang-router:<policy>`` (sglang-router 0.3.2, the ``bench`` extra), and client-side
+baselines with no router: ``direct:round_robin`` and ``direct:sticky`` (prefix i →
 worker i mod K: the balanced affinity a router should reach).
 
     python -m loadtests.engine.bench [--targets gateway:round_robin,gateway:min_ttft]
@@ -20,19 +21,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from loadtests.engine.client import ChatResult, engine_session, run_clients
-from loadtests.engine.gateway_proc import run_gateway
+from loadtests.engine.gateway_proc import ROUTER_MODULES, run_gateway
 from loadtests.engine.llama_fleet import LlamaFleet
-from loadtests.engine.probe import cache_delta, read_fleet
+from loadtests.engine.runner import Route, RunResult, run_workload, summarize
 from loadtests.engine.tiny_model import ensure_tiny_model
-from loadtests.engine.workload import PrefixRequest, SharedPrefixSpec, shared_prefix_requests
+from loadtests.engine.workload import (
+    PrefixRequest,
+    SharedPrefixSpec,
+    capacity_hint_args,
+    shared_prefix_requests,
+)
 
 DEFAULT_TARGETS = (
     "direct:round_robin",
@@ -42,63 +45,10 @@ DEFAULT_TARGETS = (
     "gateway:consistent_hash",
     "gateway:cache_aware",
     "gateway:min_ttft",
+    "gateway:cache_aware+capacity",
+    "gateway:min_ttft+capacity",
+    "sglang-router:cache_aware",
 )
-Route = Callable[[PrefixRequest], str]
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    """One target's run of the workload."""
-
-    target: str
-    requests: int
-    failures: int
-    cached_fraction: float  # engine-reported, fleet-wide
-    ttft_p50_s: float
-    ttft_p90_s: float
-    wall_s: float
-    error: str = ""
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (inclusive method); NaN for no values."""
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
-
-
-async def run_workload(
-    urls: Sequence[str], route: Route, requests: Sequence[PrefixRequest], concurrency: int
-) -> tuple[list[ChatResult], float, float]:
-    """Send the requests; return results, engine cached fraction and wall time."""
-    async with engine_session() as session:
-        before = await read_fleet(session, urls)
-        start = time.perf_counter()
-        jobs = [(route(r), r.body) for r in requests]
-        results = await run_clients(session, jobs, concurrency)
-        wall = time.perf_counter() - start
-        after = await read_fleet(session, urls)
-    return results, cache_delta(before, after).cached_fraction, wall
-
-
-def summarize(
-    target: str, results: Sequence[ChatResult], fraction: float, wall: float
-) -> RunResult:
-    """Aggregate one run; failures are requests without a 200 and a usage chunk."""
-    ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
-    failed = [r for r in results if not r.ok]
-    return RunResult(
-        target=target,
-        requests=len(results),
-        failures=len(failed),
-        cached_fraction=fraction,
-        ttft_p50_s=quantile(ttfts, 0.5),
-        ttft_p90_s=quantile(ttfts, 0.9),
-        wall_s=wall,
-        error=failed[0].error if failed else "",
-    )
 
 
 def direct_route(name: str, urls: Sequence[str]) -> Route:
@@ -112,17 +62,26 @@ def direct_route(name: str, urls: Sequence[str]) -> Route:
 
 def run_target(
     target: str, urls: Sequence[str], requests: Sequence[PrefixRequest], concurrency: int,
-    log_dir: Path, gateway_args: Sequence[str] = (),
+    log_dir: Path, gateway_args: Sequence[str] = (), slots: int = 2,
 ) -> RunResult:  # fmt: skip
-    """Run one ``direct:<route>`` or ``gateway:<policy>`` target; errors become a row."""
+    """Run one ``direct:<route>`` or ``<router>:<policy>`` target; errors become a row.
+
+    ``gateway_args`` go to the project's gateway only; ``gateway:<policy>+capacity`` also
+    tells it the workers' real capacity (``slots`` prompts, see ``capacity_hint_args``).
+    """
     kind, _, name = target.partition(":")
+    if kind == "gateway" and name.endswith("+capacity"):
+        name = name.removesuffix("+capacity")
+        gateway_args = [*gateway_args, *capacity_hint_args(requests, slots)]
     try:
         if kind == "direct":
             out = asyncio.run(run_workload(urls, direct_route(name, urls), requests, concurrency))
             return summarize(target, *out)
-        if kind != "gateway":
+        if kind not in ROUTER_MODULES:
             raise ValueError(f"unknown target kind {kind!r}")
-        with run_gateway(urls, name, log_dir / f"gateway-{name}.log", gateway_args) as gw:
+        args = gateway_args if kind == "gateway" else ()
+        log_path = log_dir / f"{kind}-{name}-{len(list(log_dir.iterdir()))}.log"
+        with run_gateway(urls, name, log_path, args, router=kind) as gw:
             out = asyncio.run(run_workload(urls, lambda _: gw.url, requests, concurrency))
             return summarize(target, *out)
     except (RuntimeError, ValueError, OSError) as exc:
@@ -180,8 +139,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for salt, target in enumerate(t for t in args.targets.split(",") if t):
             requests = shared_prefix_requests(replace(spec, text_salt=salt + 1))
             row = run_target(
-                target, fleet.urls, requests, args.concurrency, Path(tmp), args.gateway_arg
-            )
+                target, fleet.urls, requests, args.concurrency, Path(tmp), args.gateway_arg,
+                args.slots,
+            )  # fmt: skip
             print(json.dumps(asdict(row)), flush=True)
             rows.append(row)
     table = markdown_table(rows)

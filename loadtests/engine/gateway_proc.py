@@ -1,9 +1,11 @@
-"""Run the project's gateway as a subprocess in front of given workers, stopped by PID.
+"""Run a router as a subprocess in front of given workers, stopped by PID.
 
-``python -m gateway --worker-urls ... --policy P --port PORT`` on 127.0.0.1; ready when
-``GET /health`` answers 200 (and, if the body says how many workers are healthy, when
-all are). A subprocess rather than the in-process app keeps the gateway's event loop
-(uvloop) and CPU apart from the load generator's, as in a real deployment.
+``gateway``: the project's gateway, ``python -m gateway --worker-urls ... --policy P``;
+``sglang-router``: sglang-router's ``python -m sglang_router.launch_router`` with the same
+flags (for the side-by-side benchmark). Both on 127.0.0.1; ready when ``GET /health``
+answers 200 (and, if the JSON body says how many workers are healthy, when all are). A
+subprocess rather than the in-process app keeps the router's event loop and CPU apart
+from the load generator's, as in a real deployment.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STOP_GRACE_S = 5.0
+ROUTER_MODULES = {"gateway": "gateway", "sglang-router": "sglang_router.launch_router"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +73,17 @@ def run_gateway(
     log_path: Path,
     extra_args: Sequence[str] = (),
     startup_timeout_s: float = 30.0,
+    router: str = "gateway",
 ) -> Iterator[GatewayProcess]:
-    """Start the gateway, wait until it is ready, yield it, stop it (SIGTERM, SIGKILL).
+    """Start the router, wait until it is ready, yield it, stop it (SIGTERM, SIGKILL).
 
-    Raises ``RuntimeError`` with the log's tail if it exits or is not ready in time.
+    ``router`` is a key of ``ROUTER_MODULES``. Raises ``RuntimeError`` with the log's
+    tail if it exits or is not ready in time.
     """
     port = free_port()
-    args = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", policy, "--worker-urls", *worker_urls, *extra_args]  # fmt: skip
+    args = [sys.executable, "-m", ROUTER_MODULES[router], "--host", "127.0.0.1",
+            "--port", str(port), "--policy", policy, "--worker-urls", *worker_urls,
+            *extra_args]  # fmt: skip
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
@@ -87,7 +93,7 @@ def run_gateway(
         while not _ready(url, len(worker_urls)):
             if process.poll() is not None or time.monotonic() > deadline:
                 tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-                raise RuntimeError(f"gateway ({policy}) did not become ready:\n{tail}")
+                raise RuntimeError(f"{router} ({policy}) did not become ready:\n{tail}")
             time.sleep(0.1)
         yield GatewayProcess(url=url, pid=process.pid, log_path=log_path)
     finally:

@@ -32,6 +32,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from loadtests.engine.workload import CODAS, ONSETS, VOWELS
+
 # Bump when the written bytes change for a given seed: cache file names include it.
 MODEL_VERSION = 2
 DEFAULT_SEED = 0
@@ -76,12 +78,9 @@ test movie north love support technology step baby computer type attention film 
 organization hair window evidence population site training surface analysis section
 """
 WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
-# Consonant-vowel-consonant syllables: the project's pseudo-text workloads
-# (``loadtests/workloads/text.py``) are made of `` bak``-like pieces meant to be one token
-# each; with these in the vocabulary they are one token each to the real engine too.
-ONSETS = "bcdfghklmnprstvw"
-VOWELS = "aeiou"
-CODAS = "bdgklmnprstvxyzf"
+# Consonant-vowel-consonant syllables (ONSETS x VOWELS x CODAS): the project's
+# pseudo-text workloads are made of `` bak``-like pieces meant to be one token each; with
+# these in the vocabulary they are one token each to the real engine too.
 SUFFIXES: tuple[str, ...] = (
     "ing", "ed", "er", "ers", "es", "ly", "tion", "tions", "ment", "ness", "al", "ity",
     "able", "ive", "ous", "est", "ful", "less", "ize", "ized",

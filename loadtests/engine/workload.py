@@ -13,11 +13,15 @@ worker see all 8 and thrash its 2 slots.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadtests.engine.tiny_model import CODAS, ONSETS, VOWELS
-
+# Consonant-vowel-consonant syllables, as in ``loadtests/workloads/text.py``'s
+# pseudo-text; the tiny model has each `` bak`` as one token (``tiny_model.build_vocab``).
+ONSETS = "bcdfghklmnprstvw"
+VOWELS = "aeiou"
+CODAS = "bdgklmnprstvxyzf"
 SYLLABLES: tuple[str, ...] = tuple(f" {o}{v}{c}" for o in ONSETS for v in VOWELS for c in CODAS)
 
 
@@ -70,3 +74,14 @@ def shared_prefix_requests(spec: SharedPrefixSpec) -> list[PrefixRequest]:
         }
         requests.append(PrefixRequest(index, prefix_id, body))
     return requests
+
+
+def capacity_hint_args(requests: Sequence[PrefixRequest], slots: int) -> list[str]:
+    """Gateway flags telling it a worker keeps ``slots`` prompts (RAM prompt cache off).
+
+    ``--max-tree-size`` bounds the indexed prompt characters per worker; ``slots`` times
+    the longest prompt's characters is what a llama.cpp worker really holds. A stand-in
+    until the gateway reads ``total_slots`` from ``/props`` itself.
+    """
+    longest = max(sum(len(m["content"]) for m in r.body["messages"]) for r in requests)
+    return ["--max-tree-size", str(slots * longest)]

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from loadtests.engine.llama_fleet import LlamaFleet
-from loadtests.engine.tiny_model import ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4
@@ -25,6 +24,9 @@ CTX_PER_SLOT = 4096
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The generated model, cached in the repo's git-ignored ``.cache/``."""
+    pytest.importorskip("gguf", reason="needs the engine extra: pip install -e '.[engine]'")
+    from loadtests.engine.tiny_model import ensure_tiny_model
+
     return ensure_tiny_model(REPO_ROOT / ".cache")
 
 

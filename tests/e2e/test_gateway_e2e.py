@@ -18,17 +18,17 @@ the marker gets removed).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import openai
 import pytest
 
-from loadtests.engine.bench import RunResult, run_workload, summarize
 from loadtests.engine.gateway_proc import GatewayProcess, run_gateway
 from loadtests.engine.llama_fleet import LlamaFleet
-from loadtests.engine.workload import PrefixRequest, SharedPrefixSpec, shared_prefix_requests
+from loadtests.engine.runner import RunResult, run_workload, summarize
+from loadtests.engine.workload import SharedPrefixSpec, capacity_hint_args, shared_prefix_requests
 
 pytestmark = pytest.mark.e2e
 
@@ -37,17 +37,11 @@ CONCURRENCY = 2
 SLOTS = 2  # per worker, as the session fleet (conftest.SLOTS)
 
 
-def capacity_hint(requests: Sequence[PrefixRequest]) -> list[str]:
-    """``--max-tree-size``: characters of ``SLOTS`` of the longest prompts."""
-    longest = max(sum(len(m["content"]) for m in r.body["messages"]) for r in requests)
-    return ["--max-tree-size", str(SLOTS * longest)]
-
-
 def run_policy(
     fleet: LlamaFleet, policy: str, salt: int, log_dir: Path, hint: bool = True
 ) -> RunResult:
     requests = shared_prefix_requests(replace(SPEC, text_salt=1000 + salt))
-    args = capacity_hint(requests) if hint else []
+    args = capacity_hint_args(requests, SLOTS) if hint else []
     log_path = log_dir / f"gateway-{policy}-{salt}.log"
     with run_gateway(fleet.urls, policy, log_path, args) as gateway:
         out = asyncio.run(run_workload(fleet.urls, lambda _: gateway.url, requests, CONCURRENCY))

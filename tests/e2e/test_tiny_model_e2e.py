@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import gguf
 import pytest
+
+pytest.importorskip("gguf", reason="needs the engine extra: pip install -e '.[engine]'")
+
+import gguf
 
 from loadtests.engine.tiny_model import IM_END_ID, SPACE, build_vocab, write_tiny_model
 

@@ -1,0 +1,74 @@
+"""Send a workload to a fleet and judge it by the engines' own counters.
+
+The engine-reported cached fraction of a run is ``Δprompt_tokens_cached_total /
+Δ(cached + prompt_tokens_total)`` summed over all workers, read before and after;
+TTFT is client-side (first streamed event).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from loadtests.engine.client import ChatResult, engine_session, run_clients
+from loadtests.engine.probe import cache_delta, read_fleet
+from loadtests.engine.workload import PrefixRequest
+
+Route = Callable[[PrefixRequest], str]
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """One target's run of the workload."""
+
+    target: str
+    requests: int
+    failures: int
+    cached_fraction: float  # engine-reported, fleet-wide
+    ttft_p50_s: float
+    ttft_p90_s: float
+    wall_s: float
+    error: str = ""
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (inclusive method); NaN for no values."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+async def run_workload(
+    urls: Sequence[str], route: Route, requests: Sequence[PrefixRequest], concurrency: int
+) -> tuple[list[ChatResult], float, float]:
+    """Send the requests; return results, engine cached fraction and wall time."""
+    async with engine_session() as session:
+        before = await read_fleet(session, urls)
+        start = time.perf_counter()
+        jobs = [(route(r), r.body) for r in requests]
+        results = await run_clients(session, jobs, concurrency)
+        wall = time.perf_counter() - start
+        after = await read_fleet(session, urls)
+    return results, cache_delta(before, after).cached_fraction, wall
+
+
+def summarize(
+    target: str, results: Sequence[ChatResult], fraction: float, wall: float
+) -> RunResult:
+    """Aggregate one run; failures are requests without a 200 and a usage chunk."""
+    ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    failed = [r for r in results if not r.ok]
+    return RunResult(
+        target=target,
+        requests=len(results),
+        failures=len(failed),
+        cached_fraction=fraction,
+        ttft_p50_s=quantile(ttfts, 0.5),
+        ttft_p90_s=quantile(ttfts, 0.9),
+        wall_s=wall,
+        error=failed[0].error if failed else "",
+    )
