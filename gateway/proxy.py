@@ -165,6 +165,8 @@ async def _relay_sse(request: web.Request, upstream: aiohttp.ClientResponse,
     pending = b""  # a trailing partial event, held until its end arrives
     last_usage = b""
     last = chunk
+    writing = False  # tells a client failure (while writing) from a worker's
+    content = upstream.content
     try:
         while chunk:
             if _CACHED_MARK in chunk:
@@ -176,12 +178,16 @@ async def _relay_sse(request: web.Request, upstream: aiohttp.ClientResponse,
                 cut = end + 2 if end >= 0 else 0
                 pending, chunk = chunk[cut:], chunk[:cut]
             if chunk:
-                await _client_write(response, response.write(chunk))
-            chunk = await upstream.content.readany()
+                writing = True
+                await response.write(chunk)  # awaits the drain: back-pressure
+                writing = False
+            chunk = await content.readany()
         if _DONE not in last:
             raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError,
             TimeoutError) as exc:
+        if writing:
+            raise ClientGone(response) from exc
         outcome.failed_mid_stream = True
         code, message = (504, "the worker timed out mid-stream") if isinstance(
             exc, TimeoutError) else (502, f"the worker failed mid-stream ({type(exc).__name__})")
