@@ -246,6 +246,9 @@ class SimulatedWorker:
                         ]
                     )
                 return await handler(request, body)
+            except ConnectionResetError:
+                # the client went away while we wrote; the request was aborted on the way out
+                return web.Response(status=499)
             finally:
                 stats.in_flight -= 1
 

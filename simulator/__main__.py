@@ -1,0 +1,162 @@
+"""``python -m simulator`` / ``sglang-sim``: N simulated SGLang workers in one event loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+
+from simulator.config import SimConfig
+from simulator.faults import Faults
+from simulator.fleet import SimulatedFleet
+from simulator.profiles import DEFAULT_PROFILE, PROFILES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    profiles = "\n".join(f"  {p.name:16} {p.description}" for p in PROFILES.values())
+    parser = argparse.ArgumentParser(
+        prog="sglang-sim",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Serve N simulated SGLang 0.5.23 workers on ports P..P+N-1 from one uvloop "
+            "event loop. Each has SGLang's HTTP API, a radix KV cache with LRU eviction, "
+            "continuous batching and the latency model of a named profile. Prints one URL "
+            "per line on stdout; stops on SIGINT/SIGTERM."
+        ),
+        epilog=(
+            f"profiles:\n{profiles}\n\n"
+            "faults can also be changed at run time: POST /_sim/faults with a JSON subset of\n"
+            '{"error_rate", "error_status", "latency_s", "hang", "drop_mid_stream_after",\n'
+            '"fail_health"}; GET /_sim/stats for counters.\n\n'
+            "example:\n  python -m simulator --workers 2 --base-port 31000 "
+            "--capacity-tokens 200000 --enable-metrics --enable-cache-report"
+        ),
+    )
+    add = parser.add_argument
+    add("--workers", type=int, default=1, help="number of workers (default 1)")
+    add("--base-port", type=int, default=30000, help="port of worker 0 (default 30000)")
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    add(
+        "--capacity-tokens",
+        type=int,
+        default=None,
+        help="KV pool per worker in tokens (default: the profile's, 420000 for the default)",
+    )
+    add(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="modelled seconds per wall second: 10 runs ten times faster (default 1)",
+    )
+    add("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES), help="latency profile")
+    add("--page-size", type=int, default=1, help="radix cache page size in tokens (default 1)")
+    add("--enable-metrics", action="store_true", help="serve /metrics (SGLang: off by default)")
+    add(
+        "--enable-cache-report",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens on OpenAI routes",
+    )
+    add("--seed", type=int, default=0, help="seed of output text and fault draws (default 0)")
+    add("--model-path", default="sim-model", help="reported model_path (default sim-model)")
+    add("--served-model-name", default=None, help="reported model name (default: model path)")
+    add("--context-length", type=int, default=None, help="context length (default: profile's)")
+    add("--max-running-requests", type=int, default=None, help="default: SGLang's formula")
+    add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="default fcfs")
+    add("--legacy-get-load", action="store_true", help="serve /get_load (0.5.5 list shape)")
+    add("--api-key", default=None, help="require 'Authorization: Bearer KEY' like SGLang")
+    add(
+        "--natural-output-tokens",
+        type=int,
+        default=128,
+        help="tokens before EOS when a request sets no limit (default 128)",
+    )
+    faults = parser.add_argument_group("faults (for tests)")
+    faults.add_argument("--error-rate", type=float, default=0.0, help="fraction answered 5xx")
+    faults.add_argument("--error-status", type=int, default=500, help="status of those errors")
+    faults.add_argument("--latency-s", type=float, default=0.0, help="added wall latency")
+    faults.add_argument("--hang", action="store_true", help="never answer inference requests")
+    faults.add_argument(
+        "--drop-mid-stream-after", type=int, default=None, help="cut streams after N chunks"
+    )
+    faults.add_argument("--fail-health", action="store_true", help="health endpoints answer 503")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        capacity_tokens=args.capacity_tokens,
+        speed=args.speed,
+        profile=args.profile,
+        page_size=args.page_size,
+        enable_metrics=args.enable_metrics,
+        enable_cache_report=args.enable_cache_report,
+        seed=args.seed,
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        legacy_get_load=args.legacy_get_load,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        schedule_policy=args.schedule_policy,
+        api_key=args.api_key,
+        natural_output_tokens=args.natural_output_tokens,
+        faults=Faults(
+            error_rate=args.error_rate,
+            error_status=args.error_status,
+            latency_s=args.latency_s,
+            hang=args.hang,
+            drop_mid_stream_after=args.drop_mid_stream_after,
+            fail_health=args.fail_health,
+        ),
+    )
+
+
+async def serve(config: SimConfig, workers: int, host: str, base_port: int) -> None:
+    fleet = await SimulatedFleet.start(workers, config, host, base_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    for url in fleet.urls:
+        print(url, flush=True)
+    profile = config.resolved_profile()
+    capacity = config.capacity_tokens or profile.capacity_tokens
+    print(
+        f"sglang-sim: {workers} worker(s), profile {profile.name}, {capacity} KV tokens each, "
+        f"speed x{config.speed}; Ctrl-C to stop",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        for worker in fleet.workers:
+            await worker.stop(kill=False)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        raise SystemExit("--workers must be at least 1")
+    config = config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise SystemExit(f"sglang-sim: {exc}") from None
+    coro = serve(config, args.workers, args.host, args.base_port)
+    try:
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+            asyncio.run(coro)
+        else:
+            uvloop.run(coro)
+    except OSError as exc:
+        raise SystemExit(f"sglang-sim: cannot listen: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()
