@@ -10,7 +10,13 @@ client-side TTFT p50/p90 (first streamed event), wall time, failures.
 Targets: ``gateway:<policy>`` (the project's gateway as a subprocess),
 ``sglang-router:<policy>`` (sglang-router 0.3.2, the ``bench`` extra), and client-side
 baselines with no router: ``direct:round_robin`` and ``direct:sticky`` (prefix i →
-worker i mod K: the balanced affinity a router should reach).
+worker i mod K: the balanced affinity a router should reach). ``gateway:<policy>+capacity``
+also tells the gateway each worker's real capacity (``--max-tree-size``, see
+``workload.capacity_hint_args``).
+
+``--fleet sim`` runs the same targets on the simulated SGLang fleet calibrated to these
+workers (profile ``tiny-cpu`` at ``--sim-speed`` 0.44; a radix cache of ``slots`` prompts'
+tokens; ``slots`` running requests); its cached fraction comes from ``usage``.
 
     python -m loadtests.engine.bench [--targets gateway:round_robin,gateway:min_ttft]
         [--markdown results/real_engine.md] [--json results/real_engine.json]
@@ -20,15 +26,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from loadtests.engine.gateway_proc import ROUTER_MODULES, run_gateway
 from loadtests.engine.llama_fleet import LlamaFleet
 from loadtests.engine.runner import Route, RunResult, run_workload, summarize
+from loadtests.engine.sim_fleet import SimSettings, run_sim_fleet
 from loadtests.engine.tiny_model import ensure_tiny_model
 from loadtests.engine.workload import (
     PrefixRequest,
@@ -36,6 +44,11 @@ from loadtests.engine.workload import (
     capacity_hint_args,
     shared_prefix_requests,
 )
+
+# Calibration of the simulator's tiny-cpu profile to these workers: it models a cold
+# 2,028-token prefill as 1.04 s, measured 2.36 s on a quiet machine (1 thread): 0.44.
+SIM_SPEED = 0.44
+TEMPLATE_TOKENS = 16  # ChatML overhead of a two-message request, rounded up
 
 DEFAULT_TARGETS = (
     "direct:round_robin",
@@ -63,6 +76,7 @@ def direct_route(name: str, urls: Sequence[str]) -> Route:
 def run_target(
     target: str, urls: Sequence[str], requests: Sequence[PrefixRequest], concurrency: int,
     log_dir: Path, gateway_args: Sequence[str] = (), slots: int = 2,
+    engine_counters: bool = True,
 ) -> RunResult:  # fmt: skip
     """Run one ``direct:<route>`` or ``<router>:<policy>`` target; errors become a row.
 
@@ -75,14 +89,17 @@ def run_target(
         gateway_args = [*gateway_args, *capacity_hint_args(requests, slots)]
     try:
         if kind == "direct":
-            out = asyncio.run(run_workload(urls, direct_route(name, urls), requests, concurrency))
+            route = direct_route(name, urls)
+            out = asyncio.run(run_workload(urls, route, requests, concurrency, engine_counters))
             return summarize(target, *out)
         if kind not in ROUTER_MODULES:
             raise ValueError(f"unknown target kind {kind!r}")
         args = gateway_args if kind == "gateway" else ()
         log_path = log_dir / f"{kind}-{name}-{len(list(log_dir.iterdir()))}.log"
         with run_gateway(urls, name, log_path, args, router=kind) as gw:
-            out = asyncio.run(run_workload(urls, lambda _: gw.url, requests, concurrency))
+            out = asyncio.run(
+                run_workload(urls, lambda _: gw.url, requests, concurrency, engine_counters)
+            )
             return summarize(target, *out)
     except (RuntimeError, ValueError, OSError) as exc:
         nan = float("nan")
@@ -93,15 +110,16 @@ def run_target(
 def markdown_table(rows: Sequence[RunResult]) -> str:
     """The results as a Markdown table."""
     lines = [
-        "| target | cached fraction (engines) | TTFT p50 | TTFT p90 | wall | failed |",
-        "|---|---|---|---|---|---|",
+        "| target | cached fraction (engines) | (usage) | TTFT p50 | TTFT p90 | wall | failed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.requests == 0:
-            lines.append(f"| {r.target} | not run: {r.error} | | | | |")
+            lines.append(f"| {r.target} | not run: {r.error} | | | | | |")
             continue
         lines.append(
-            f"| {r.target} | {r.cached_fraction:.2f} | {r.ttft_p50_s:.3f} s | "
+            f"| {r.target} | {r.cached_fraction:.2f} | {r.reported_fraction:.2f} | "
+            f"{r.ttft_p50_s:.3f} s | "
             f"{r.ttft_p90_s:.3f} s | {r.wall_s:.1f} s | {r.failures}/{r.requests} |"
         )
     return "\n".join(lines) + "\n"
@@ -119,9 +137,34 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gateway-arg", action="append", default=[], help="passed to gateway")
+    parser.add_argument("--fleet", choices=("llama", "sim"), default="llama")
+    parser.add_argument("--sim-profile", default="tiny-cpu", help="simulator profile")
+    parser.add_argument(
+        "--sim-speed", type=float, default=SIM_SPEED, help="modelled s per wall s (calibration)"
+    )
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     return parser
+
+
+@contextlib.contextmanager
+def start_fleet(args: argparse.Namespace, log_dir: Path) -> Iterator[list[str]]:
+    """The llama.cpp fleet, or the simulated one calibrated to it (``--fleet sim``)."""
+    if args.fleet == "llama":
+        with LlamaFleet.start(
+            args.workers, ensure_tiny_model(), slots=args.slots, log_dir=log_dir / "llama"
+        ) as fleet:
+            yield fleet.urls
+        return
+    prompt_tokens = args.prefix_tokens + args.message_tokens + TEMPLATE_TOKENS
+    settings = SimSettings(
+        profile=args.sim_profile,
+        speed=args.sim_speed,
+        capacity_tokens=args.slots * prompt_tokens,
+        max_running_requests=args.slots,
+    )
+    with run_sim_fleet(args.workers, settings, log_dir / "sim") as urls:
+        yield urls
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -132,15 +175,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         prefix_tokens=args.prefix_tokens, message_tokens=args.message_tokens, seed=args.seed,
     )  # fmt: skip
     rows: list[RunResult] = []
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-") as tmp,
-        LlamaFleet.start(args.workers, ensure_tiny_model(), slots=args.slots) as fleet,
-    ):
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp, start_fleet(args, Path(tmp)) as urls:
         for salt, target in enumerate(t for t in args.targets.split(",") if t):
             requests = shared_prefix_requests(replace(spec, text_salt=salt + 1))
             row = run_target(
-                target, fleet.urls, requests, args.concurrency, Path(tmp), args.gateway_arg,
-                args.slots,
+                target, urls, requests, args.concurrency, Path(tmp), args.gateway_arg,
+                args.slots, engine_counters=args.fleet == "llama",
             )  # fmt: skip
             print(json.dumps(asdict(row)), flush=True)
             rows.append(row)

@@ -26,10 +26,11 @@ class RunResult:
     target: str
     requests: int
     failures: int
-    cached_fraction: float  # engine-reported, fleet-wide
+    cached_fraction: float  # engine counters, fleet-wide (usage when counters are off)
     ttft_p50_s: float
     ttft_p90_s: float
     wall_s: float
+    reported_fraction: float = float("nan")  # Σ usage cached_tokens / Σ prompt_tokens
     error: str = ""
 
 
@@ -42,16 +43,32 @@ def quantile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
+def reported_fraction(results: Sequence[ChatResult]) -> float:
+    """Cached share of prompt tokens as reported in each response's ``usage``."""
+    prompt = sum(r.prompt_tokens for r in results if r.ok)
+    return sum(r.cached_tokens for r in results if r.ok) / prompt if prompt else float("nan")
+
+
 async def run_workload(
-    urls: Sequence[str], route: Route, requests: Sequence[PrefixRequest], concurrency: int
+    urls: Sequence[str],
+    route: Route,
+    requests: Sequence[PrefixRequest],
+    concurrency: int,
+    engine_counters: bool = True,
 ) -> tuple[list[ChatResult], float, float]:
-    """Send the requests; return results, engine cached fraction and wall time."""
+    """Send the requests; return results, cached fraction and wall time.
+
+    The fraction comes from the llama.cpp workers' ``/metrics`` read before and after;
+    with ``engine_counters=False`` (other engines) from the responses' ``usage``.
+    """
     async with engine_session() as session:
-        before = await read_fleet(session, urls)
+        before = await read_fleet(session, urls) if engine_counters else []
         start = time.perf_counter()
         jobs = [(route(r), r.body) for r in requests]
         results = await run_clients(session, jobs, concurrency)
         wall = time.perf_counter() - start
+        if not engine_counters:
+            return results, reported_fraction(results), wall
         after = await read_fleet(session, urls)
     return results, cache_delta(before, after).cached_fraction, wall
 
@@ -70,5 +87,6 @@ def summarize(
         ttft_p50_s=quantile(ttfts, 0.5),
         ttft_p90_s=quantile(ttfts, 0.9),
         wall_s=wall,
+        reported_fraction=reported_fraction(results),
         error=failed[0].error if failed else "",
     )
