@@ -12,8 +12,11 @@ aiohttp client bounded in requests and time, run once per measurement:
 - closed loop at ``--concurrency`` for ``--duration`` s: requests/s and latency p50/p99,
   non-streaming and streaming chat (streaming latency = last byte; TTFT also kept);
 - open loop at ``--rate`` requests/s: latency p50/p99 of non-streaming chat.
-"Direct" spreads the same load over the workers client-side (round robin), so added
-latency = path's percentile minus direct's. Every process is stopped by its PID.
+Each cell runs ``--rounds`` times, the three paths interleaved so background load on the
+shared cores falls on all alike; requests/s is the median round, percentiles are over
+every round's latencies. "Direct" spreads the same load over the workers client-side
+(round robin), so added latency = path's percentile minus direct's. Processes are stopped
+by PID.
 Everything listens on 127.0.0.1.
 """
 
@@ -27,6 +30,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -261,15 +265,10 @@ class Row:
     requests: int
 
 
-def _row(path: str, measure: str, result: dict[str, Any]) -> Row:
-    lat = result["latencies_s"]
-    return Row(path, measure, result["rps"], _pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3,
-               result["errors"], result["requests"])
-
-
 def _simulator_cmd(base_port: int, workers: int, model_dir: str) -> list[str]:
-    return [sys.executable, "-m", "simulator", "--num-workers", str(workers),
-            "--port", str(base_port), "--model-path", model_dir, "--speed", "1000",
+    # Fast modelled time (x1000) so the gateway's own cost, not generation, dominates.
+    return [sys.executable, "-m", "simulator", "--workers", str(workers),
+            "--base-port", str(base_port), "--model-path", model_dir, "--speed", "1000",
             "--host", "127.0.0.1"]
 
 
@@ -285,15 +284,24 @@ def _router_cmd(port: int, urls: Sequence[str]) -> list[str]:
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_ports(1)[0])]
 
 
-def _measure(name: str, urls: Sequence[str], args: argparse.Namespace) -> list[Row]:
-    rows = []
-    for stream in (False, True):
-        result = _run_client([u + CHAT_PATH for u in urls], stream=stream, concurrency=args.concurrency,
-                             duration=args.duration)
-        rows.append(_row(name, "stream" if stream else "non-stream", result))
-    fixed = _run_client([u + CHAT_PATH for u in urls], rate=args.rate, duration=args.duration)
-    rows.append(_row(name, f"non-stream @ {args.rate:g} rps", fixed))
-    return rows
+MEASURES = ("non-stream", "stream", "fixed-rate")
+
+
+def _measure(urls: Sequence[str], measure: str, args: argparse.Namespace) -> dict[str, Any]:
+    targets = [u + CHAT_PATH for u in urls]
+    if measure == "fixed-rate":
+        return _run_client(targets, rate=args.rate, duration=args.duration)
+    return _run_client(targets, stream=measure == "stream", concurrency=args.concurrency,
+                       duration=args.duration)
+
+
+def _combine(path: str, measure: str, runs: Sequence[dict[str, Any]], rate: float) -> Row:
+    """Rounds of one cell: median requests/s, percentiles over every round's latencies."""
+    latencies = [x for run in runs for x in run["latencies_s"]]
+    label = f"non-stream @ {rate:g} rps" if measure == "fixed-rate" else measure
+    return Row(path, label, statistics.median(r["rps"] for r in runs),
+               _pct(latencies, 0.5) * 1e3, _pct(latencies, 0.99) * 1e3,
+               sum(r["errors"] for r in runs), sum(r["requests"] for r in runs))
 
 
 def _table(rows: Sequence[Row]) -> str:
@@ -335,11 +343,22 @@ def _orchestrate(args: argparse.Namespace) -> str:
         ok, router_ok = asyncio.run(_ready(urls, gateway, router))
         if not ok:
             raise SystemExit(f"workers or gateway did not start; logs in {logs}")
-        rows += _measure("direct", urls, args)
-        rows += _measure("this gateway", [gateway], args)
+        load_before = os.getloadavg()[0]
+        paths = {"direct": urls, "this gateway": [gateway]}
         if router_ok:
-            rows += _measure("sglang-router 0.3.2", [router], args)
-        else:
+            paths["sglang-router 0.3.2"] = [router]
+        # Rounds interleave the paths, so background load on the shared cores falls on
+        # every path alike rather than on whichever ran during a busy minute.
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for _ in range(args.rounds):
+            for measure in MEASURES:
+                for name, target in paths.items():
+                    runs.setdefault((name, measure), []).append(_measure(target, measure, args))
+        notes.append("load average (1 min) of the shared machine before / after: "
+                     f"{load_before:.1f} / {os.getloadavg()[0]:.1f}")
+        rows = [_combine(name, measure, runs[(name, measure)], args.rate)
+                for name in paths for measure in MEASURES]
+        if not router_ok:
             tail = (logs / "router.log").read_text(errors="replace")[-600:]
             notes.append(f"sglang-router did not serve (exit {router_proc.poll()}): {tail}")
     return _report(rows, notes, args)
@@ -354,8 +373,9 @@ def _report(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace)
             lines.append(f"- {measure}: this gateway / sglang-router = "
                          f"{ours.rps / theirs.rps:.2f}x requests/s")
     lines += [f"- {note}" for note in notes]
-    lines.append(f"- settings: {args.workers} simulated workers, closed loop at "
-                 f"{args.concurrency} concurrent for {args.duration:g} s per cell, open loop "
+    lines.append(f"- settings: {args.workers} simulated workers, {args.rounds} interleaved "
+                 f"rounds; closed loop at {args.concurrency} concurrent for {args.duration:g} s "
+                 "per cell, open loop "
                  f"at {args.rate:g} rps; max_tokens {CHAT_BODY['max_tokens']}; "
                  f"machine: {os.cpu_count()} cores shared by every process.")
     return "\n".join(lines)
@@ -385,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--write-benchmarks", action="store_true",
                         help="replace the '## Gateway overhead' section of BENCHMARKS.md")
     args = parser.parse_args(argv)
