@@ -19,12 +19,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 STOP_GRACE_S = 5.0
-ROUTER_MODULES = {"gateway": "gateway", "sglang-router": "sglang_router.launch_router"}
+ROUTER_MODULES: Mapping[str, str] = MappingProxyType(
+    {"gateway": "gateway", "sglang-router": "sglang_router.launch_router"}
+)
 
 
 @dataclass(frozen=True, slots=True)
