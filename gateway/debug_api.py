@@ -16,7 +16,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.decisions import DecisionSource
-from gateway.telemetry import Telemetry, WorkerStats
+from gateway.telemetry import Telemetry
+from gateway.telemetry_series import WorkerStats
 from gateway.telemetry_snapshot import WorkerSnapshot
 
 DEFAULT_DECISIONS_LIMIT = 50

@@ -39,13 +39,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from gateway.decisions import CandidateScore, DecisionLog, DecisionRecord
-from gateway.telemetry import (
-    DURATION_BUCKETS,
-    MATCH_RATIO_BUCKETS,
-    TTFT_BUCKETS,
-    Telemetry,
-    TelemetryConfig,
-)
+from gateway.telemetry import Telemetry, TelemetryConfig
+from gateway.telemetry_series import DURATION_BUCKETS, MATCH_RATIO_BUCKETS, TTFT_BUCKETS
 from gateway.telemetry_snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
 from gateway.telemetry_tracing import TracingConfig
 
