@@ -84,3 +84,41 @@ def test_cached_tokens_takes_the_last_report() -> None:
              b'data: {"meta_info":{"cached_tokens": 8}}\n\n')
     assert cached_tokens(chunk) == 8
     assert cached_tokens(b'{"usage":{"prompt_tokens_details":null}}') is None
+
+
+async def test_poller_falls_back_to_metrics_and_remembers() -> None:
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from gateway.config import LoadConfig
+    from gateway.load import LoadPoller
+
+    hits: list[str] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.Response(text='sglang:num_running_reqs{m="x"} 3\nsglang:num_queue_reqs 1\n')
+
+    async def missing(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/loads", missing)
+    app.router.add_get("/get_load", missing)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        reg = WorkerRegistry(0.5)
+        worker, _ = reg.add(str(server.make_url("")).rstrip("/"))
+        async with aiohttp.ClientSession() as session:
+            poller = LoadPoller(LoadConfig(), reg, session, timeout_s=2.0)
+            await poller.poll(worker)
+            assert worker.engine_load is not None
+            assert (worker.engine_load.running_requests, worker.engine_load.waiting_requests) \
+                == (3, 1)
+            await poller.poll(worker)
+        assert hits == ["/v1/loads", "/get_load", "/metrics", "/metrics"]
+    finally:
+        await server.close()
