@@ -237,3 +237,21 @@ async def test_admission_rejections(monkeypatch: pytest.MonkeyPatch) -> None:
         m = await metrics(env)
         assert by(m, "gateway_admission_rejections_total", reason="queue_full") == {"": 3.0}
         assert by(m, "gateway_requests_total", status="429") == {"none": 3.0}
+
+
+async def test_client_gone_counts_as_499(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with gateway_env(monkeypatch, delay_s=0.5) as env:
+        with pytest.raises(asyncio.TimeoutError):
+            await env.session.post(
+                env.url + CHAT, json=BODY, timeout=aiohttp.ClientTimeout(total=0.1)
+            )
+        for _ in range(50):
+            m = await metrics(env)
+            gone = by(m, "gateway_requests_total", status="499")
+            if gone:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(gone.values()) == 1.0
+        assert "none" not in gone  # it had reached a worker
+        (span,) = env.spans.get_finished_spans()
+        assert dict(span.attributes or {})["http.response.status_code"] == 499
