@@ -53,11 +53,10 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import filterfalse, repeat
 
 # Bytes per indexed block for one holder (map entry + LRU entry + int key), measured by
 # ``python -m loadtests.index_bench`` with tracemalloc; see BENCHMARKS.md.
@@ -184,19 +183,22 @@ class PrefixIndex:
         state = self._state(worker_id)
         t = self._clock() if now is None else now
         lru, holders, bit = state.lru, self._holders, state.bit
-        new = list(filterfalse(lru.__contains__, block_hashes))  # in prompt order
-        for h in new:
-            holders[h] = holders.get(h, 0) | bit
-        # Touch deepest first, in C: insert or re-time every block, then move each to the
-        # most-recent end, so block 0 ends up the most recently used.
-        deepest_first = block_hashes[::-1]
-        lru.update(zip(deepest_first, repeat(t)))
-        deque(map(lru.move_to_end, deepest_first), maxlen=0)
-        if new:
+        first_new: int | None = None
+        # Deepest block first, so block 0 ends up the most recently used. A plain loop:
+        # measured faster than OrderedDict.update + move_to_end driven from C.
+        for h in reversed(block_hashes):
+            if h in lru:
+                lru.move_to_end(h)
+                lru[h] = t
+            else:
+                lru[h] = t
+                holders[h] = holders.get(h, 0) | bit
+                first_new = h
+        if first_new is not None:
             # where this prompt starts adding to the worker: a sibling routed there while
             # this one is still in prefill will report a cache miss from here on
-            state.fresh[new[0]] = t
-            state.fresh.move_to_end(new[0])
+            state.fresh[first_new] = t
+            state.fresh.move_to_end(first_new)
         self._prune_fresh(state, t)
         self._evict_over_capacity(state)
 
