@@ -31,6 +31,17 @@ def _fresh_request_context() -> Iterator[None]:
     REQUEST_ID.reset(rid)
 
 
+@pytest.fixture(autouse=True)
+def _restore_root_logger() -> Iterator[None]:
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    for h in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(h)
+        h.close()
+    root.setLevel(level)
+
+
 @pytest.fixture
 def stream() -> Iterator[io.StringIO]:
     buf = io.StringIO()

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -21,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import gateway.app
 from gateway import keys
 from gateway.config import config_from_dict, merge
-from gateway.logging_setup import REQUEST_ID
+from gateway.logging_setup import REQUEST_ID, setup_logging
 from gateway.server import start_site
 from gateway.telemetry import _CURRENT, Telemetry
 from loadtests.telemetry_bench import fake_worker_app
@@ -255,3 +258,23 @@ async def test_client_gone_counts_as_499(monkeypatch: pytest.MonkeyPatch) -> Non
         assert "none" not in gone  # it had reached a worker
         (span,) = env.spans.get_finished_spans()
         assert dict(span.attributes or {})["http.response.status_code"] == 499
+
+
+async def test_error_log_line_carries_request_id(env: Env) -> None:
+    buf = io.StringIO()
+    level = logging.getLogger().level
+    handler = setup_logging("INFO", json=True, stream=buf)
+    try:
+        headers = {"x-request-id": "rid-log-1", "content-type": "application/json"}
+        async with env.session.post(env.url + CHAT, data=b"{oops", headers=headers) as resp:
+            assert resp.status == 400
+        assert await chat(env) == 200  # a success logs nothing at INFO
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger().setLevel(level)
+        handler.close()
+    lines = [orjson.loads(x) for x in buf.getvalue().splitlines()]
+    mine = [d for d in lines if str(d["logger"]).startswith("gateway")]
+    assert len(mine) == 1, mine
+    assert mine[0]["request_id"] == "rid-log-1"
+    assert "oops" not in buf.getvalue()
