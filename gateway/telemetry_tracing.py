@@ -112,7 +112,9 @@ class Tracing:
         parent = None
         if headers is not None and "traceparent" in headers:
             parent = self._propagator.extract(headers)
-        elif self._ratio < 1.0 and self._rng.random() >= self._ratio:
+            if not trace.get_current_span(parent).get_span_context().is_valid:
+                parent = None  # malformed: treated as absent
+        if parent is None and self._ratio < 1.0 and self._rng.random() >= self._ratio:
             return None
         return self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
 

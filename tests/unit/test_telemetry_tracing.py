@@ -121,6 +121,22 @@ def test_sampling_ratio_zero_creates_no_root_span(exporter: InMemorySpanExporter
     t.shutdown()
 
 
+def test_malformed_traceparent_is_ignored(exporter: InMemorySpanExporter) -> None:
+    t = Telemetry(
+        TelemetryConfig(tracing=TracingConfig(sampling_ratio=0.0)), span_exporter=exporter
+    )
+    rt = t.begin_request("r", ROUTE, headers={"traceparent": "00-zz-not-a-trace"})
+    rt.finish(200)
+    assert exporter.get_finished_spans() == ()  # the ratio applied, as without a parent
+    t.shutdown()
+    fresh = InMemorySpanExporter()  # shutdown stopped the first one
+    t = Telemetry(span_exporter=fresh)
+    t.begin_request("r", ROUTE, headers={"traceparent": "garbage"}).finish(200)
+    (span,) = fresh.get_finished_spans()
+    assert span.parent is None
+    t.shutdown()
+
+
 def test_sampling_ratio_is_honoured(exporter: InMemorySpanExporter) -> None:
     t = Telemetry(
         TelemetryConfig(tracing=TracingConfig(sampling_ratio=0.25)), span_exporter=exporter
