@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from gateway.admission import Admission
-from gateway.decisions import DecisionRecord
+from gateway.decisions import DecisionOutcome, DecisionRecord
 from gateway.errors import GatewayError
 from gateway.proxy import ClientGone
 from gateway.registry import Worker, WorkerRegistry
@@ -96,6 +96,12 @@ class TelemetryHooks(RouterHooks):
 
     def attempt_failed(self, worker: Worker, kind: str, status: int) -> None:
         self._t.upstream_error(worker.id, upstream_error_kind(kind, status))
+        rt = current_request()
+        record = None if rt is None else rt.record
+        if rt is not None and record is not None and record.outcome is None:
+            # This attempt's record ends here: what the client would have got from it.
+            shown = status if kind == "status" else 504 if kind == "timeout" else 502
+            record.outcome = DecisionOutcome(status=shown, retries=rt.retries)
 
     def finished(
         self,

@@ -226,6 +226,10 @@ async def test_retries_and_upstream_errors(monkeypatch: pytest.MonkeyPatch) -> N
         assert by(m, "gateway_retries_total") == {"": 2.0}
         assert sum(by(m, "gateway_routing_decisions_total").values()) == 8.0
         assert sum(by(m, "gateway_requests_total", status="200").values()) == 6.0
+        async with env.session.get(env.url + "/debug/decisions") as resp:
+            decisions = (await resp.json())["decisions"]
+        outcomes = sorted(d["outcome"]["status"] for d in decisions)
+        assert outcomes == [200] * 6 + [503, 503]  # failed attempts keep their own outcome
         spans = env.spans.get_finished_spans()
         assert sorted(dict(s.attributes or {})["gateway.retries"] for s in spans) == [
             0, 0, 0, 0, 1, 1,
