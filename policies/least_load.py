@@ -11,7 +11,9 @@ Trade-offs: blind to prefixes; the two-choice sample avoids the herd that a glob
 minimum causes when many decisions see the same stale figures (the exponential
 improvement in maximum load of "two choices" over one), at the price of sometimes
 skipping the single least-loaded worker. The waiting count makes requests from other
-gateways visible, with the staleness of the last poll.
+gateways visible, with the staleness of the last poll; this gateway's own waiting
+requests are counted twice (in flight and waiting), on purpose: a request still waiting
+for its prefill costs the worker more than one that is only decoding.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from policies.base import RouteContext, WorkerView
 from policies.registry import create_policy
 
@@ -72,3 +75,51 @@ def test_bad_parameter_named() -> None:
         assert "min_ttft" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def _views() -> st.SearchStrategy[list[WorkerView]]:
+    from policies.base import EngineLoad, WorkerCost
+
+    engine = st.one_of(
+        st.none(),
+        st.builds(
+            EngineLoad,
+            running_requests=st.integers(0, 500),
+            waiting_requests=st.integers(0, 500),
+            waiting_uncached_tokens=st.one_of(st.none(), st.integers(0, 10**6)),
+        ),
+    )
+    cost = st.builds(
+        WorkerCost,
+        prefill_per_token_s=st.one_of(st.none(), st.floats(1e-7, 1e-3)),
+        prefill_fixed_s=st.one_of(st.none(), st.floats(0.0, 0.5)),
+    )
+    view = st.builds(
+        WorkerView,
+        id=st.text("abcdef", min_size=1, max_size=4),
+        in_flight=st.integers(0, 300),
+        queued_prefill_tokens=st.integers(0, 10**6),
+        decoding_requests=st.integers(0, 300),
+        engine_load=engine,
+        matched_tokens=st.integers(0, 10**5),
+        cost=cost,
+    )
+    return st.lists(view, min_size=1, max_size=8, unique_by=lambda v: v.id)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_every_policy_tolerates_any_context(data: st.DataObject) -> None:
+    from policies.base import REASONS
+    from policies.registry import policy_names
+
+    views = data.draw(_views())
+    prompt = data.draw(st.integers(0, 10**5))
+    key = data.draw(st.one_of(st.none(), st.text(max_size=8)))
+    ids = {v.id for v in views}
+    for name in policy_names():
+        policy = create_policy(name)
+        for seed in range(3):
+            ctx = RouteContext(prompt, views, random.Random(seed), routing_key=key)
+            decision = policy.select(ctx)
+            assert decision.worker_id in ids and decision.reason in REASONS, name
