@@ -229,16 +229,33 @@ def request_body(endpoint: str, tokens: int) -> dict[str, object]:
     return {"text": prompt, "sampling_params": {"max_new_tokens": tokens}}
 
 
-def run_http(args: argparse.Namespace) -> HttpResult:
+def run_http(args: argparse.Namespace) -> list[HttpResult]:
+    """``args.rounds`` measured windows against one simulator process."""
+
+    async def rounds(urls: list[str], pid: int) -> list[HttpResult]:
+        results = []
+        for i in range(args.rounds):
+            warmup = args.warmup if i == 0 else 0.5
+            results.append(
+                await drive(
+                    urls, args.endpoint, args.concurrency, args.duration, warmup, args.tokens, pid
+                )
+            )
+        return results
+
     with simulator_process(args.workers, args.speed) as (urls, pid):
-        coro = drive(
-            urls, args.endpoint, args.concurrency, args.duration, args.warmup, args.tokens, pid
-        )
         try:
             import uvloop
         except ImportError:  # pragma: no cover
-            return asyncio.run(coro)
-        return uvloop.run(coro)
+            return asyncio.run(rounds(urls, pid))
+        return uvloop.run(rounds(urls, pid))
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover
+        return "n/a"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1, help="workers in the one process")
     parser.add_argument("--speed", type=float, default=100.0, help="simulator --speed")
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per round")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (median)")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--tokens", type=int, default=8, help="max_tokens per request")
     parser.add_argument("--endpoint", choices=["chat", "completions", "generate"], default="chat")
@@ -265,19 +283,26 @@ def main(argv: list[str] | None = None) -> None:
             f"{r.evicted_tokens} tokens evicted"
         )
     if args.part in ("all", "http"):
-        h = run_http(args)
-        per_cpu = h.rps_per_cpu_second
-        if per_cpu is not None:
+        results = run_http(args)
+        for i, h in enumerate(results):
+            per_cpu = h.rps_per_cpu_second
+            per_cpu_text = f"{per_cpu:.0f}" if per_cpu is not None else "n/a"
             print(
-                f"http: simulator process used {h.server_cpu_s:.2f} CPU-s for {h.requests} "
-                f"requests: {per_cpu:.0f} requests per CPU-second "
-                f"(the client used {h.client_cpu_s:.2f} CPU-s)"
+                f"http round {i + 1}: {h.rps:.0f} requests/s ({h.requests} in {h.seconds:.1f} s, "
+                f"{h.errors} errors), p50 {h.p50_ms:.1f} ms, p99 {h.p99_ms:.1f} ms; "
+                f"simulator {per_cpu_text} requests per CPU-second, client "
+                f"{h.client_cpu_s or 0:.2f} CPU-s"
             )
+        rps = statistics.median(h.rps for h in results)
+        per_cpu_values = [h.rps_per_cpu_second for h in results if h.rps_per_cpu_second]
+        per_cpu_median = statistics.median(per_cpu_values) if per_cpu_values else float("nan")
         print(
-            f"http: {h.rps:.0f} requests/s ({h.requests} in {h.seconds:.1f} s, {h.errors} errors), "
-            f"p50 {h.p50_ms:.1f} ms, p99 {h.p99_ms:.1f} ms; {args.endpoint}, max_tokens "
+            f"http median of {len(results)} rounds: {rps:.0f} requests/s wall, "
+            f"{per_cpu_median:.0f} requests per simulator CPU-second "
+            f"({1e6 / per_cpu_median:.0f} us CPU per request); {args.endpoint}, max_tokens "
             f"{args.tokens}, concurrency {args.concurrency}, {args.workers} worker(s) in one "
-            f"process, speed x{args.speed:g}; cpus={os.cpu_count()}"
+            f"process, speed x{args.speed:g}; cpus={os.cpu_count()}, load average "
+            f"{load_average()}"
         )
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from simulator.model import Finish, RequestOutput, SimRequest, StepResult, WorkerModel
 
 _JITTER_WALL_S = 0.005
+_MIN_SLEEP_WALL_S = 0.001
 
 
 class RequestHandle:
@@ -171,8 +172,9 @@ class ModelDriver:
 
     def abort(self, rid: str) -> bool:
         """Abort ``rid`` if in flight; its handle finishes with the next delivery."""
-        if rid not in self._handles or self._handles[rid].done:
-            return False
+        handle = self._handles.get(rid)
+        if handle is None or handle.done or not self.engine.has_request(rid):
+            return False  # unknown, or finished and waiting to be delivered
         self.engine.abort(rid, self.now())
         self._wake()
         return True
@@ -201,9 +203,11 @@ class ModelDriver:
                     self._wakeup = None
                 continue
             self.last_step = result
-            # always yield, even when late, so handlers write between steps
+            # Sleep only when the model is ahead of the clock by more than a timer tick:
+            # shorter sleeps round to the loop's 1 ms timer resolution anyway, and each one
+            # costs a wake-up. Always yield, so that handlers write between steps.
             delay = self._t0 + result.end / self.speed - loop.time()
-            await asyncio.sleep(delay if delay > 0 else 0)
+            await asyncio.sleep(delay if delay > _MIN_SLEEP_WALL_S else 0)
             self._deliver(result)
             prev_end = result.end
 

@@ -257,6 +257,8 @@ class WorkerModel:
             by_context = capacity / self.profile.context_length * 512
             self.max_running_requests = int(min(max(by_context, 2048), 4096, max(capacity // 2, 1)))
         self._waiting: deque[_Req] = deque()
+        self._waiting_tokens = 0  # Σ seq_len over the waiting queue
+        self._waiting_retracted = 0
         self._running: list[_Req] = []
         self._chunked: _Req | None = None
         self._by_rid: dict[str, _Req] = {}
@@ -306,7 +308,7 @@ class WorkerModel:
             output[-1] = default_tokenizer().eos_token_id
         r = _Req(req, key, output, now)
         self._by_rid[r.rid] = r
-        self._waiting.append(r)
+        self._enqueue(r)
         self.counters.requests_submitted += 1
 
     def abort(self, rid: str, now: float) -> None:
@@ -322,8 +324,21 @@ class WorkerModel:
             self._release(r, insert=True)
         else:
             self._waiting.remove(r)
+            self._dequeued(r)
         self._finish(r, Finish("abort", r.out_len, message="Aborted"), now)
         self.counters.aborted += 1
+
+    def _enqueue(self, r: _Req, front: bool = False) -> None:
+        if front:
+            self._waiting.appendleft(r)
+        else:
+            self._waiting.append(r)
+        self._waiting_tokens += r.seq_len
+        self._waiting_retracted += 1 if r.retracted else 0
+
+    def _dequeued(self, r: _Req) -> None:
+        self._waiting_tokens -= r.seq_len
+        self._waiting_retracted -= 1 if r.retracted else 0
 
     def abort_all(self, now: float) -> None:
         for rid in list(self._by_rid):
@@ -409,7 +424,7 @@ class WorkerModel:
             if extend + decode_room >= room or (batch and extend >= budget_input):
                 cache.dec_lock(node)
                 break
-            self._waiting.popleft()
+            self._dequeued(self._waiting.popleft())
             r.state = "prefill"
             r.node = node
             r.tree_len = matched
@@ -441,6 +456,8 @@ class WorkerModel:
             pairs += n * (r.computed + n / 2)
             new_total += n
             hit += matched
+        for _, n, _ in batch:
+            cache.alloc(n)  # admission checked the room; allocate before any decode
         decode_reqs: list[_Req] = []
         if profile.mixed_chunk and self._running:
             decode_reqs = self._make_decode_room()
@@ -466,7 +483,6 @@ class WorkerModel:
         end = now + duration
 
         for r, n, _ in batch:
-            cache.alloc(n)
             r.private += n
             r.computed += n
             self._checkpoint(r)
@@ -538,19 +554,23 @@ class WorkerModel:
         victim.state = "waiting"
         victim.key = victim.prompt_key + encode_tokens(list(victim.output_ids[: victim.out_len]))
         victim.retracted += 1
-        self._waiting.appendleft(victim)
+        self._enqueue(victim, front=True)
         self._new_token_ratio = self.profile.init_new_token_ratio
         self.counters.retractions += 1
 
     def _decode_tokens(self, reqs: list[_Req], end: float, outputs: list[RequestOutput]) -> None:
         self.cache.alloc(len(reqs))
+        done = 0
         for r in reqs:
             r.private += 1
             r.computed += 1
             self._sample(r, end, outputs)
             if r.out_len >= r.target:
-                self._running.remove(r)
+                r.state = "done"
                 self._finish_done(r, end, outputs)
+                done += 1
+        if done:
+            self._running = [r for r in self._running if r.state == "running"]
 
     def _sample(self, r: _Req, end: float, outputs: list[RequestOutput]) -> None:
         """One new token for ``r`` becomes visible at ``end``."""
@@ -657,11 +677,42 @@ class WorkerModel:
     def has_request(self, rid: str) -> bool:
         return rid in self._by_rid
 
+    @property
+    def token_usage(self) -> float:
+        """KV held by live requests over capacity (excludes the idle, evictable cache)."""
+        return self.cache.used / self.cache.capacity
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.cache.evictable
+
+    @property
+    def available_tokens(self) -> int:
+        return self.cache.available
+
+    @property
+    def used_tokens(self) -> int:
+        return self.cache.used
+
+    @property
+    def prompt_tokens_total(self) -> int:
+        """Prompt tokens of finished requests."""
+        return self.counters.prompt_tokens
+
+    @property
+    def cached_tokens_total(self) -> int:
+        """Cached prompt tokens of finished requests."""
+        return self.counters.cached_tokens
+
+    @property
+    def aborted_total(self) -> int:
+        return self.counters.aborted
+
     def stats(self, now: float) -> ModelStats:
         """Live figures (``/metrics`` and ``/v1/loads`` serve the lagged snapshots)."""
         cache = self.cache
         used = cache.used
-        waiting_tokens = sum(r.seq_len for r in self._waiting)
+        waiting_tokens = self._waiting_tokens
         uncached = int(waiting_tokens * (1.0 - self._last_hit_rate))
         if self._chunked is not None:
             uncached += self._chunked.seq_len - self._chunked.computed
@@ -686,7 +737,7 @@ class WorkerModel:
             num_waiting_uncached_tokens=uncached,
             num_active_tokens=active,
             decode_sum_seq_lens=active,
-            num_retracted_reqs=sum(1 for r in self._waiting if r.retracted),
+            num_retracted_reqs=self._waiting_retracted,
             new_token_ratio=self._new_token_ratio,
         )
 

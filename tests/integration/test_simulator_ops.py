@@ -331,12 +331,37 @@ async def test_stop_and_restart_worker(sim: SimulatedFleet, http: aiohttp.Client
         assert resp.status == 200  # the other worker never noticed
 
 
+def free_base_port(n: int) -> int:
+    """A port P with P..P+n-1 free right now (best effort: the machine is shared)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base: int = s.getsockname()[1]
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
 async def test_fleet_on_fixed_ports(http: aiohttp.ClientSession) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    async with await SimulatedFleet.start(2, SimConfig(), base_port=port) as fleet:
-        assert fleet.urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+    for attempt in range(5):
+        port = free_base_port(2)
+        try:
+            fleet = await SimulatedFleet.start(2, SimConfig(), base_port=port)
+        except OSError:
+            if attempt == 4:
+                raise
+            continue
+        async with fleet:
+            assert fleet.urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+            for url in fleet.urls:
+                async with http.get(url + "/ping") as resp:
+                    assert resp.status == 200
+        return
 
 
 async def test_capacity_is_never_exceeded_over_http(http: aiohttp.ClientSession) -> None:
@@ -400,9 +425,7 @@ async def test_done_when_generate_twice_and_ttft(http: aiohttp.ClientSession) ->
 
 # ---------------------------------------------------------------------- CLI
 def test_cli_serves_and_stops_on_sigterm() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_base_port(2)
     with subprocess.Popen(
         [sys.executable, "-m", "simulator", "--workers", "2", "--base-port", str(port),
          "--capacity-tokens", "200000", "--enable-metrics", "--enable-cache-report"],
