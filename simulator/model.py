@@ -162,7 +162,15 @@ class _Req:
         "tree_len",
     )
 
-    def __init__(self, req: SimRequest, prompt_key: bytes, output_ids: list[int], now: float):
+    def __init__(
+        self,
+        req: SimRequest,
+        prompt_key: bytes,
+        output_ids: list[int],
+        now: float,
+        max_new: int,
+        eos: bool,
+    ) -> None:
         self.rid = req.rid
         self.prompt_key = prompt_key
         self.key = prompt_key  # what prefill computes: the prompt, or prompt+output if retracted
@@ -170,12 +178,10 @@ class _Req:
         self.namespace = req.namespace
         self.stream = req.stream
         self.output_ids = output_ids
-        self.target = len(output_ids)
-        self.max_new = max(req.max_new_tokens, 0)
-        self.state = "waiting"  # → "prefill" (admitted) → "running" (decoding)
-        self.eos = (
-            not req.ignore_eos and req.eos_at is not None and req.eos_at <= req.max_new_tokens
-        )
+        self.target = len(output_ids)  # tokens it will generate (EOS included)
+        self.max_new = max_new  # max_new_tokens after the scheduler's clip
+        self.eos = eos
+        self.state = "waiting"  # → "prefill" (admitted) → "running" (decoding) → "done"
         self.arrival = now
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
@@ -289,12 +295,14 @@ class WorkerModel:
         prompt_len = len(key) // TOKEN_BYTES
         if prompt_len == 0:
             raise ValueError("The prompt is empty.")
-        if prompt_len >= self.cache.capacity:
+        # SGLang's scheduler: a request must fit the pool; max_new_tokens is clipped to it
+        max_req_len = min(self.profile.context_length - 1, self.cache.capacity - 1)
+        if prompt_len >= max_req_len:
             raise ValueError(
-                f"The input ({prompt_len} tokens) is longer than the KV cache "
-                f"({self.cache.capacity} tokens)."
+                f"Input length ({prompt_len} tokens) exceeds the maximum allowed length "
+                f"({max_req_len} tokens)."
             )
-        limit = max(req.max_new_tokens, 0)
+        limit = min(max(req.max_new_tokens, 0), max_req_len - prompt_len - 1)
         length = limit
         eos = not req.ignore_eos and req.eos_at is not None and req.eos_at <= limit
         if eos:
@@ -306,7 +314,7 @@ class WorkerModel:
             output = self.output_source(key, self.seed, length)
         if eos and output:
             output[-1] = default_tokenizer().eos_token_id
-        r = _Req(req, key, output, now)
+        r = _Req(req, key, output, now, limit, eos)
         self._by_rid[r.rid] = r
         self._enqueue(r)
         self.counters.requests_submitted += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import random
 import shlex
 import sys
@@ -43,6 +44,7 @@ from simulator.faults import Faults
 from simulator.model import Finish, RequestOutput, SimRequest, WorkerModel
 from simulator.tokenizer import SimTokenizer, default_tokenizer
 
+logger = logging.getLogger(__name__)
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 JSON_TYPE = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -84,7 +86,12 @@ class _Gen:
 
 
 class SimulatedWorker:
-    """One simulated SGLang worker: model, driver, HTTP server, faults and stats."""
+    """One simulated SGLang worker: model, driver, HTTP server, faults and stats.
+
+    ``model`` is the served model name (what ``/v1/models`` reports); ``engine`` is the
+    :class:`WorkerModel` (radix cache, queues, counters); ``faults`` and ``stats`` are the
+    live objects behind ``/_sim/faults`` and ``/_sim/stats``.
+    """
 
     def __init__(
         self, config: SimConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0
@@ -127,13 +134,18 @@ class SimulatedWorker:
         return self._driver
 
     async def start(self) -> None:
+        """Listen on ``host:port`` (0: an ephemeral port, then ``self.port`` is set)."""
         self._driver = ModelDriver(self.engine, self.config.speed, self._observe)
         self._driver.start()
         server = web.Server(self._dispatch, handler_cancellation=True, access_log=None)
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
-        await site.start()
+        try:
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
         self.port = self._runner.addresses[0][1]
         self._started = time.time()
 
@@ -211,6 +223,12 @@ class SimulatedWorker:
             return await handler(request)
         except ApiError as err:
             return json_response(err.body, err.status)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a simulator bug: answer like SGLang's serving_base
+            logger.exception("unexpected error on %s", path)
+            error = api.error_object(f"Internal server error: {exc}", "InternalServerError", 500)
+            return json_response(error, 500)
 
     # ------------------------------------------------------------------ inference plumbing
     def _inference(
@@ -769,7 +787,7 @@ class SimulatedWorker:
         body = await self._json_body(request)
         messages = body.get("messages")
         if messages is not None:
-            if not isinstance(messages, list):
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise api.wrong_type("messages", "list", messages)
             tools = body.get("tools")
             tokens: Any = self.tokenizer.encode_chat(

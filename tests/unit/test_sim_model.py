@@ -246,3 +246,28 @@ def test_snapshots_lag_like_sglang() -> None:
         now = result.end
     assert model.metrics_snapshot.num_running_reqs == 2  # stale: no prefill since
     assert model.stats(now).num_running_reqs == 1
+
+
+def test_requests_are_clipped_to_fit_the_pool() -> None:
+    """SGLang clips max_new_tokens so that prompt + output fits the pool (no deadlock)."""
+    model = WorkerModel(H100, capacity_tokens=1000)
+    model.submit(SimRequest("big", tokens(600, 50), max_new_tokens=4096), 0.0)
+    _, outputs, _ = drive(model)
+    assert finish_of(outputs, "big").completion_tokens == 999 - 600 - 1
+    with pytest.raises(ValueError, match="exceeds the maximum allowed length"):
+        model.submit(SimRequest("huge", tokens(999, 51), max_new_tokens=1), 0.0)
+
+
+def test_mixed_chunk_steps() -> None:
+    profile = H100.with_overrides(mixed_chunk=True)
+    model = WorkerModel(profile)
+    model.submit(SimRequest("a", tokens(100, 60), max_new_tokens=50), 0.0)
+    first = model.step(0.0)
+    assert first is not None and first.kind == "prefill"  # nothing to decode yet
+    model.submit(SimRequest("b", tokens(300, 61), max_new_tokens=5), first.end)
+    mixed = model.step(first.end)
+    assert mixed is not None and mixed.kind == "mixed" and mixed.decode_batch == 1
+    expected = max(0.006, 22e-6 * (300 + 1)) + 1.3e-9 * 300 * 150 + 45e-9 * (100 + 1) + 0.0005
+    assert mixed.duration == pytest.approx(expected)
+    _, outputs, _ = drive(model, mixed.end)
+    assert {o.rid for o in outputs if o.finish} == {"a", "b"}
