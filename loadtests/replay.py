@@ -9,6 +9,7 @@ Usage::
         --workload-arg request_rate=20 --workers 8 --capacity-tokens 430000 --policy cache_aware
     python -m loadtests.replay sweep --trace ... --policy min_ttft \\
         --grid work_weight=0,0.5,1 --time-scales 1,2,3 --slo-s 2 --out out/sweep
+    python -m loadtests.replay compare out/r1 out/r2     # one Markdown table
 
 ``--trace`` reads ``.jsonl`` as Mooncake and ``.csv`` as Azure 2023. ``--time-scale 3``
 compresses arrivals threefold. ``--policy sglang_cache_aware`` selects the reference
@@ -31,7 +32,7 @@ import yaml
 
 from loadtests.bounds import compute_bounds
 from loadtests.replay_metrics import summarize
-from loadtests.replay_prompts import PromptBuilder
+from loadtests.replay_prompts import PromptBuilder, trace_block_requests
 from loadtests.replay_report import render_table, write_outputs
 from loadtests.replay_sglang import REFERENCE_NAME, SglangCacheAware
 from loadtests.replay_sim import Simulation
@@ -107,10 +108,14 @@ def _run(config: ReplayConfig) -> tuple[dict[str, Any], Any]:
     workers = make_workers(config.workers, config.capacity_tokens, config.profile)
     sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare, seed=config.seed)
     outcome = sim.run(workload.requests)
+    capacity = config.workers * config.capacity_tokens
     blocks = [builder.bound_blocks(r) for r in workload.requests]
-    bounds = compute_bounds(blocks, config.workers * config.capacity_tokens)
+    bounds = compute_bounds(blocks, capacity)
     summary = summarize(outcome.records, outcome.intervals, outcome.worker_ids, bounds,
                         prefill_time_fn(config.profile))  # fmt: skip
+    trace_blocks = trace_block_requests(list(workload.requests))
+    if trace_blocks:  # Mooncake's own blocks, as PERFORMANCE.md section 2 counts them
+        summary["bounds_block_level"] = compute_bounds(trace_blocks, capacity).block_rates()
     summary["config"] = {**asdict(config), "policy_describe": policy.describe()}
     summary["wall_s"] = time.perf_counter() - started
     return summary, outcome
@@ -153,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadtests.replay_sweep import sweep_main
 
         return sweep_main(args[1:])
+    if args and args[0] == "compare":
+        from loadtests.replay_compare import compare_main
+
+        return compare_main(args[1:])
     parser = argparse.ArgumentParser(
         prog="python -m loadtests.replay",
         description=__doc__,

@@ -11,6 +11,8 @@ pure function of them; nothing is simulated.
   (``W_min``) or with the hits the workers reported (``W_router``).
 * ``ttft_s``: p50/p90/p99/mean of time to first token; ``ttft_over_lb`` p50/p99 of
   TTFT / TTFT_LB, where TTFT_LB is the prefill time with OPT hits and no queueing.
+* ``utilisation``: Σ worker busy time / (workers x time from first arrival to last
+  finish).
 * ``load_imbalance``: per window of ``window_s`` seconds, max over workers of busy time /
   mean over workers; reported as the mean and the max over windows with any work.
 * ``index_fidelity``: predicted = tokens the prefix index believed cached on the chosen
@@ -148,6 +150,8 @@ def summarize(
     for r in records:
         share[r.worker] = share.get(r.worker, 0) + 1
     finished = [r.finish_s for r in records if r.finish_s is not None]
+    span = max(finished, default=0.0) - min((r.arrival_s for r in records), default=0.0)
+    busy = sum(iv.duration_s for iv in intervals)
     return {
         "requests": len(records),
         "completed": len(finished),
@@ -163,6 +167,7 @@ def summarize(
         "index_fidelity": index_fidelity(records),
         "worker_share": {w: _ratio(n, len(records)) for w, n in sorted(share.items())},
         "makespan_s": max(finished, default=0.0),
+        "utilisation": _ratio(busy, span * len(workers)),
     }
 
 

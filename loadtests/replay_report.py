@@ -34,6 +34,7 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("efficiency vs OPT / H_inf / LRU", f"{_fmt(e['opt'])} / {_fmt(e['infinite'])} / "
          f"{_fmt(e['lru_pooled'])}"),
         ("prefill-work efficiency", _fmt(summary["prefill_work_efficiency"])),
+        ("worker utilisation", _fmt(summary["utilisation"], 2)),
         ("TTFT p50 / p90 / p99 / mean (s)", " / ".join(_fmt(t[k]) for k in ("p50", "p90", "p99",
                                                                             "mean"))),
         ("TTFT / TTFT_LB p50 / p99", f"{_fmt(lb['p50'], 2)} / {_fmt(lb['p99'], 2)}"),
