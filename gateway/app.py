@@ -37,6 +37,7 @@ from gateway.tasks import TaskSet
 from gateway.telemetry import Telemetry, TelemetryConfig
 from gateway.telemetry_gateway import RegistrySnapshot, TelemetryHooks, telemetry_middleware
 from gateway.telemetry_tracing import TracingConfig
+from gateway.upstream import UpstreamPool
 from policies.base import Policy
 from policies.registry import POLICIES, create_policy
 
@@ -99,7 +100,8 @@ def make_telemetry(config: GatewayConfig) -> Telemetry:
 
 
 def _session(config: GatewayConfig) -> aiohttp.ClientSession:
-    # One session for the app's life. No global connection cap (admission bounds that);
+    # One session for the app's life, for probes, polls, aborts and model lists (the
+    # request path uses the leaner gateway.upstream pool). No global connection cap;
     # per worker, enough kept-alive connections for its concurrency.
     connector = aiohttp.TCPConnector(limit=0,
                                      limit_per_host=config.server.connections_per_worker,
@@ -122,6 +124,8 @@ async def _runtime(app: web.Application, policy: Policy,
                                   // config.request.block_chars),
         clock=registry.clock)
     costs = CostModel()
+    pool = UpstreamPool(config.server.connect_timeout_s,
+                        max_idle_per_worker=config.server.connections_per_worker)
     health = HealthChecker(config.health, registry, session)
     load = LoadPoller(config.load, registry, session, config.health.timeout_s)
     outlier = OutlierDetector(config.outlier, registry, registry.clock)
@@ -134,6 +138,7 @@ async def _runtime(app: web.Application, policy: Policy,
         index.forget_worker(worker.id)
         costs.forget_worker(worker.id)
         load.forget(worker)
+        pool.forget(worker.url)
 
     telemetry = app[keys.TELEMETRY]
     telemetry.use_snapshot(RegistrySnapshot(registry, index=index,
@@ -147,7 +152,7 @@ async def _runtime(app: web.Application, policy: Policy,
     app[keys.HEALTH] = health
     app[keys.ROUTER] = Router(
         config=config, registry=registry, policy=policy, index=index, costs=costs,
-        outlier=outlier, session=session, decisions=app[keys.DECISIONS],
+        outlier=outlier, session=session, pool=pool, decisions=app[keys.DECISIONS],
         spawn=app[keys.TASKS].spawn, rng=rng, hooks=TelemetryHooks(telemetry))
     loops = TaskSet()
     loops.spawn(health.run(), "health")
@@ -162,6 +167,7 @@ async def _runtime(app: web.Application, policy: Policy,
     finally:
         await loops.close()
         await app[keys.TASKS].close()
+        await pool.close()
         await session.close()
         telemetry.shutdown()
 

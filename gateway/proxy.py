@@ -1,9 +1,9 @@
 """Forwarding one attempt to one worker, and relaying its answer to the client.
 
 Contract:
-- :func:`send` posts the body to the worker and returns its response head, or raises
-  :class:`AttemptFailed` (``connect``: nothing reached the worker or it hung up before
-  answering; ``timeout``). Nothing has reached the client then, so the router may retry.
+- :func:`send` posts the body to the worker (``gateway.upstream``) and returns its
+  response head, or raises :class:`AttemptFailed` (``connect``: nothing reached the worker
+  or it hung up before answering; ``timeout``). Nothing has reached the client then, so the router may retry.
 - :func:`relay` sends the worker's answer to the client and returns the outcome.
   * A 5xx or 429 head is reported as ``AttemptFailed("status")`` (body read, connection
     reusable) unless ``final``, so the router can try another worker.
@@ -17,8 +17,8 @@ Contract:
 - Client disconnect (write fails, or the handler is cancelled): the upstream connection is
   closed and ``/abort_request`` is sent to the worker in the background; the caller's lease
   is released by the caller's ``finally``.
-- Both sockets have TCP_NODELAY: aiohttp's ``BaseProtocol.connection_made`` sets it on the
-  server's accepted sockets and the client's connections alike.
+- Both sockets have TCP_NODELAY: aiohttp's server protocol sets it on accepted sockets,
+  and asyncio/uvloop set it on the worker connections of ``gateway.upstream``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.errors import stream_error_event
+from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 # Never forwarded in either direction (RFC 9110 §7.6.1), plus lengths aiohttp recomputes.
 HOP_BY_HOP = frozenset(
@@ -43,6 +44,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
+_REPLACED = HOP_BY_HOP | {"x-request-id"}
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _CACHED_MARK = b'"cached_tokens"'
 _DONE = b"data: [DONE]"
@@ -73,29 +75,26 @@ class Outcome:
     client_gone: bool = False
 
 
-def upstream_headers(headers: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop ones, with the request id set."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        if key.lower() not in HOP_BY_HOP:
-            out.add(key, value)
-    out["x-request-id"] = request_id
-    if "content-type" not in out:
-        out["content-type"] = "application/json"  # SGLang refuses anything else
+def upstream_headers(headers: CIMultiDictProxy[str], request_id: str,
+                     extra: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The client's headers minus hop-by-hop ones, with the request id (and ``extra``) set."""
+    out = [(key, value) for key, value in headers.items()
+           if key.lower() not in _REPLACED]
+    out.append(("x-request-id", request_id))
+    if "content-type" not in headers:
+        out.append(("Content-Type", "application/json"))  # SGLang refuses anything else
+    out.extend(extra.items())
     return out
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: bytes,
-               headers: CIMultiDict[str], limits: aiohttp.ClientTimeout
-               ) -> aiohttp.ClientResponse:
+async def send(pool: UpstreamPool, url: str, path: str, body: bytes,
+               headers: list[tuple[str, str]], deadline: float) -> UpstreamResponse:
     try:
-        return await session.post(url, data=body, headers=headers, timeout=limits)
-    except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
-        if isinstance(exc, aiohttp.ConnectionTimeoutError):
-            raise AttemptFailed("connect", f"connecting to the worker timed out: {exc}") from exc
+        return await pool.request(url, path, headers, body, deadline)
+    except UpstreamError as exc:
+        raise AttemptFailed("connect", str(exc)) from exc
+    except TimeoutError as exc:
         raise AttemptFailed("timeout", "the worker timed out") from exc
-    except (aiohttp.ClientConnectionError, OSError) as exc:
-        raise AttemptFailed("connect", f"the worker is unreachable: {exc}") from exc
 
 
 def cached_tokens(data: bytes) -> int | None:
@@ -104,17 +103,17 @@ def cached_tokens(data: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
-def _response_headers(upstream: aiohttp.ClientResponse,
+def _response_headers(upstream: UpstreamResponse,
                       extra: Mapping[str, str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
-    for key, value in upstream.headers.items():
+    for key, value in upstream.headers:
         if key.lower() not in _NOT_RELAYED:
             out.add(key, value)
     out.update(extra)
     return out
 
 
-async def relay(request: web.Request, upstream: aiohttp.ClientResponse, *, stream: bool,
+async def relay(request: web.Request, upstream: UpstreamResponse, *, stream: bool,
                 final: bool, extra_headers: Mapping[str, str], started: float,
                 on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, Outcome]:
     """Relay ``upstream`` to the client (see the module contract)."""
@@ -122,8 +121,8 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, *, strea
     if (status >= 500 or status == 429) and not final:
         body = await _read_body(upstream)
         raise AttemptFailed("status", f"the worker answered {status}", status, body,
-                            upstream.headers)
-    ctype = upstream.headers.get("content-type", "")
+                            dict(upstream.headers))
+    ctype = upstream.header("content-type") or ""
     if stream and status == 200 and ctype.startswith("text/event-stream"):
         return await _relay_sse(request, upstream, extra_headers, started, on_first_byte)
     body = await _read_body(upstream)
@@ -133,19 +132,19 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, *, strea
     return response, Outcome(status=status, cached_tokens=cached_tokens(body))
 
 
-async def _read_body(upstream: aiohttp.ClientResponse) -> bytes:
+async def _read_body(upstream: UpstreamResponse) -> bytes:
     try:
         return await upstream.read()
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+    except UpstreamError as exc:
         raise AttemptFailed("dropped", f"the worker dropped the connection: {exc}") from exc
     except TimeoutError as exc:
         raise AttemptFailed("timeout", "the worker timed out") from exc
 
 
-async def _first_chunk(upstream: aiohttp.ClientResponse) -> bytes:
+async def _first_chunk(upstream: UpstreamResponse) -> bytes:
     try:
-        chunk = await upstream.content.readany()
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+        chunk = await upstream.readany()
+    except UpstreamError as exc:
         raise AttemptFailed("dropped", f"the worker dropped the stream: {exc}") from exc
     except TimeoutError as exc:
         raise AttemptFailed("timeout", "the worker timed out before its first token") from exc
@@ -154,7 +153,7 @@ async def _first_chunk(upstream: aiohttp.ClientResponse) -> bytes:
     return chunk
 
 
-async def _relay_sse(request: web.Request, upstream: aiohttp.ClientResponse,
+async def _relay_sse(request: web.Request, upstream: UpstreamResponse,
                      extra_headers: Mapping[str, str], started: float,
                      on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, Outcome]:
     chunk = await _first_chunk(upstream)
@@ -166,7 +165,6 @@ async def _relay_sse(request: web.Request, upstream: aiohttp.ClientResponse,
     last_usage = b""
     last = chunk
     writing = False  # tells a client failure (while writing) from a worker's
-    content = upstream.content
     try:
         while chunk:
             if _CACHED_MARK in chunk:
@@ -181,16 +179,15 @@ async def _relay_sse(request: web.Request, upstream: aiohttp.ClientResponse,
                 writing = True
                 await response.write(chunk)  # awaits the drain: back-pressure
                 writing = False
-            chunk = await content.readany()
+            chunk = await upstream.readany()
         if _DONE not in last:
-            raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError,
-            TimeoutError) as exc:
+            raise UpstreamError("dropped", "the stream ended without [DONE]")
+    except (UpstreamError, aiohttp.ClientConnectionError, OSError, TimeoutError) as exc:
         if writing:
             raise ClientGone(response) from exc
         outcome.failed_mid_stream = True
         code, message = (504, "the worker timed out mid-stream") if isinstance(
-            exc, TimeoutError) else (502, f"the worker failed mid-stream ({type(exc).__name__})")
+            exc, TimeoutError) else (502, "the worker failed mid-stream")
         await _client_write(response, response.write(stream_error_event(code, message)))
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
     await _client_write(response, response.write_eof())

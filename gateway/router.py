@@ -46,6 +46,7 @@ from gateway.outlier import (
 )
 from gateway.registry import Worker, WorkerRegistry
 from gateway.request import ApiKind, RouteRequest
+from gateway.upstream import UpstreamPool, UpstreamResponse
 from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class Router:
         costs: CostSource,
         outlier: OutlierDetector,
         session: aiohttp.ClientSession,
+        pool: UpstreamPool,
         decisions: DecisionLog,
         spawn: Callable[[Coroutine[Any, Any, None]], object],
         rng: random.Random,
@@ -131,10 +133,8 @@ class Router:
         self._rng = rng
         self._max_attempts = 1 + config.retry.max_retries
         self._abort_timeout = config.server.abort_timeout_s
-        self._limits = aiohttp.ClientTimeout(
-            total=config.server.request_timeout_s,
-            sock_connect=config.server.connect_timeout_s,
-        )
+        self._request_timeout = config.server.request_timeout_s
+        self._pool = pool
 
     # --- phases -------------------------------------------------------------------
 
@@ -230,7 +230,7 @@ class Router:
                        attempt: int, predicted_blocks: int) -> web.StreamResponse:
         rid = req.rid or request_id
         lease = self._dispatch(req, worker, record)
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: UpstreamResponse | None = None
         extra = {"x-request-id": request_id, "x-gateway-worker": worker.url,
                  "x-gateway-matched-tokens": str(record.matched_tokens)}
         sent_at = time.perf_counter()  # TTFT counts from dispatch, not from the head
@@ -260,16 +260,14 @@ class Router:
         return response
 
     async def _send(self, req: RouteRequest, worker: Worker, rid: str,
-                    request: web.Request) -> aiohttp.ClientResponse:
-        headers = proxy.upstream_headers(request.headers, rid)
-        extra = self.hooks.upstream_headers()
-        if extra:
-            headers.update(extra)
-        return await proxy.send(self._session, worker.url + request.path,
-                                req.body_with_rid(rid), headers, self._limits)
+                    request: web.Request) -> UpstreamResponse:
+        headers = proxy.upstream_headers(request.headers, rid, self.hooks.upstream_headers())
+        deadline = asyncio.get_running_loop().time() + self._request_timeout
+        return await proxy.send(self._pool, worker.url, request.raw_path,
+                                req.body_with_rid(rid), headers, deadline)
 
     def _attempt_failed(self, worker: Worker, rid: str, exc: proxy.AttemptFailed,
-                        upstream: aiohttp.ClientResponse | None) -> None:
+                        upstream: UpstreamResponse | None) -> None:
         if exc.kind == "connect" or exc.kind == "dropped":
             self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
         elif exc.kind == "status" and exc.status >= 500:
@@ -277,7 +275,7 @@ class Router:
         if exc.kind in ("timeout", "dropped"):
             self._abort(worker, rid, upstream)  # it may still be working on it
 
-    def _abort(self, worker: Worker, rid: str, upstream: aiohttp.ClientResponse | None) -> None:
+    def _abort(self, worker: Worker, rid: str, upstream: UpstreamResponse | None) -> None:
         if upstream is not None:
             upstream.close()
         self._spawn(proxy.abort(self._session, worker.url, rid, self._abort_timeout))
