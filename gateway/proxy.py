@@ -3,7 +3,8 @@
 Contract:
 - :func:`send` posts the body to the worker (``gateway.upstream``) and returns its
   response head, or raises :class:`AttemptFailed` (``connect``: nothing reached the worker
-  or it hung up before answering; ``timeout``). Nothing has reached the client then, so the router may retry.
+  or it hung up before answering; ``timeout``). Nothing has reached the client then, so
+  the router may retry.
 - :func:`relay` sends the worker's answer to the client and returns the outcome.
   * A 5xx or 429 head is reported as ``AttemptFailed("status")`` (body read, connection
     reusable) unless ``final``, so the router can try another worker.
