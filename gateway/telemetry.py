@@ -38,7 +38,6 @@ from types import MappingProxyType
 from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
-from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.decisions import DecisionOutcome, DecisionRecord
@@ -47,7 +46,7 @@ from gateway.telemetry_collector import FleetCollector
 from gateway.telemetry_metrics import CounterChild, HistogramChild
 from gateway.telemetry_series import Metrics, WorkerStats
 from gateway.telemetry_snapshot import FleetSnapshot, SnapshotProvider, empty_snapshot
-from gateway.telemetry_tracing import Tracing, TracingConfig
+from gateway.telemetry_tracing import SpanHandle, Tracing, TracingConfig
 
 NO_WORKER = "none"  # worker label of requests that never reached a worker
 OTHER = "other"
@@ -84,7 +83,12 @@ class RequestTelemetry:
     )  # fmt: skip
 
     def __init__(
-        self, t: Telemetry, request_id: str, route: str, model: str | None, span: Span | None
+        self,
+        t: Telemetry,
+        request_id: str,
+        route: str,
+        model: str | None,
+        span: SpanHandle | None,
     ) -> None:
         self._t = t
         self.route = route  # a bounded label: may be set until finish
@@ -112,7 +116,7 @@ class RequestTelemetry:
         """Headers to add to the upstream request (W3C trace context); empty when off."""
         if self._span is None:
             return _NO_HEADERS
-        return self._t._tracing.inject(self._span)
+        return Tracing.inject(self._span)
 
     def first_byte(self) -> None:
         """The worker's first byte arrived: fixes TTFT (first call wins)."""
@@ -154,9 +158,13 @@ class RequestTelemetry:
 
 
 def _end_span(
-    span: Span, rt: RequestTelemetry, status: int, ttft_s: float | None, reported: int | None
+    span: SpanHandle,
+    rt: RequestTelemetry,
+    status: int,
+    ttft_s: float | None,
+    reported: int | None,
 ) -> None:
-    """Every attribute in one call (each SDK call takes a lock and validates), then end."""
+    """The span's attributes, all known now; then it is built and exported."""
     attrs: dict[str, Any] = {
         "gateway.request_id": rt.request_id,
         "http.route": rt.route,
@@ -177,8 +185,7 @@ def _end_span(
         attrs["gateway.ttft_s"] = ttft_s
     if reported is not None:
         attrs["gateway.reported_cached_tokens"] = reported
-    span.set_attributes(attrs)
-    span.end()
+    rt._t._tracing.end(span, rt.route, attrs)
 
 
 class _NoopRequestTelemetry(RequestTelemetry):
@@ -254,7 +261,7 @@ class Telemetry:
         if self._quiet:
             rt: RequestTelemetry = _NoopRequestTelemetry(self, request_id, route, model, None)
         else:
-            span = self._tracing.start(route, headers) if self._tracing.enabled else None
+            span = self._tracing.start(headers) if self._tracing.enabled else None
             rt = RequestTelemetry(self, request_id, route, model, span)
         _CURRENT.set(rt)
         return rt

@@ -1,39 +1,48 @@
 """Request tracing with the OpenTelemetry SDK: one SERVER span per gateway request.
 
-Each :class:`Tracing` owns its own ``TracerProvider`` (never the global one), so tests and
-several gateways in one process do not share state. The exporter comes from config:
-``none`` (default: no provider is built at all and no span object is ever created),
-``console`` (JSON lines on stdout), or ``otlp`` (needs ``opentelemetry-exporter-otlp``;
+Each :class:`Tracing` owns its span processor and exporter (never the global tracer
+provider), so tests and several gateways in one process do not share state. The exporter
+comes from config: ``none`` (default: nothing is built and no span object is ever
+created), ``console`` (JSON on stdout), or ``otlp`` (needs ``opentelemetry-exporter-otlp``;
 refused at start when it is not importable).
 
-Sampling is parent-based: an incoming W3C ``traceparent`` decides. Otherwise the
-gateway draws against ``sampling_ratio`` *before* touching the SDK, so a request that is
-not sampled costs one random draw: no span object, no ``traceparent`` sent (its worker
-starts its own trace, if it traces at all). A sampled span costs tens of microseconds
-(``loadtests/telemetry_bench.py``), hence attributes are set in one call at the end and
-``traceparent`` is formatted here rather than by the SDK's propagator.
+Sampling is parent-based: a caller's valid W3C ``traceparent`` decides (a caller that
+did not sample gets no gateway span; its header still reaches the worker, as the proxy
+forwards client headers). Otherwise the gateway draws against ``sampling_ratio``; an
+unsampled request costs one random draw.
+
+Cost: the SDK's ``Tracer.start_span`` → ``Span.end`` path (sampler, per-span locks,
+attribute validation, processor callbacks) costs ≈ 30 µs per span on the project's
+2-core machine and ≈ 130 µs in a loaded gateway (``loadtests/telemetry_bench.py``). A
+request span here carries no events and is never read before it ends, so the gateway
+keeps a :class:`SpanHandle` (ids and start time) while the request runs and builds the
+SDK's ``ReadableSpan`` once, at the end, handing it to the configured span processor
+(``SimpleSpanProcessor`` for an injected exporter, ``BatchSpanProcessor`` otherwise) and
+so to any SDK exporter. ``ReadableSpan``'s docstring discourages direct construction:
+the tests in ``tests/unit/test_telemetry_tracing.py`` run every exporter path, so an SDK
+change that breaks this shows there.
 """
 
 from __future__ import annotations
 
 import importlib
 import random
+import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
     SimpleSpanProcessor,
     SpanExporter,
 )
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-from opentelemetry.trace import Span, SpanKind
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
 
 ExporterName = Literal["none", "console", "otlp"]
 EXPORTERS: tuple[str, ...] = ("none", "console", "otlp")
@@ -77,8 +86,43 @@ def _otlp_exporter(endpoint: str | None) -> SpanExporter:
     )
 
 
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def parse_traceparent(value: str) -> SpanContext | None:
+    """A caller's W3C ``traceparent`` as a remote span context; ``None`` when malformed."""
+    m = _TRACEPARENT.fullmatch(value.strip())
+    if m is None or m.group(1) == "ff" or (m.group(1) == "00" and m.group(5)):
+        return None
+    trace_id, span_id = int(m.group(2), 16), int(m.group(3), 16)
+    if not trace_id or not span_id:
+        return None
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(m[4], 16)))
+
+
+class SpanHandle:
+    """A request span while it runs: ids, parent and start time; nothing else is built."""
+
+    __slots__ = ("parent", "span_id", "start_ns", "trace_id", "tracestate")
+
+    def __init__(
+        self, trace_id: int, span_id: int, parent: SpanContext | None, tracestate: str | None
+    ) -> None:
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent = parent
+        self.tracestate = tracestate  # the caller's, forwarded unchanged
+        self.start_ns = time.time_ns()
+
+    @property
+    def traceparent(self) -> str:
+        """This span as a W3C ``traceparent`` (sampled)."""
+        return f"00-{self.trace_id:032x}-{self.span_id:016x}-01"
+
+
 class Tracing:
-    """Starts request spans and propagates their context to workers.
+    """Starts request spans, propagates them to workers, and exports them when they end.
 
     ``exporter`` overrides the configured one (tests pass an ``InMemorySpanExporter``);
     it is exported synchronously, whereas configured exporters are batched off-thread.
@@ -86,49 +130,67 @@ class Tracing:
 
     def __init__(self, config: TracingConfig, exporter: SpanExporter | None = None) -> None:
         self.enabled = exporter is not None or config.exporter != "none"
-        self._provider: TracerProvider | None = None
-        self._propagator = TraceContextTextMapPropagator()
         self._ratio = config.sampling_ratio
         self._rng = random.Random()
+        self._processor: SpanProcessor | None = None
         if not self.enabled:
             return
-        provider = TracerProvider(
-            sampler=ParentBased(ALWAYS_ON),  # roots are drawn in ``start``
-            resource=Resource.create({"service.name": config.service_name}),
-            shutdown_on_exit=False,
-        )
         if exporter is not None:
-            provider.add_span_processor(SimpleSpanProcessor(exporter))
+            self._processor = SimpleSpanProcessor(exporter)
         elif config.exporter == "console":
-            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+            self._processor = BatchSpanProcessor(ConsoleSpanExporter())
         else:
-            provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(config.otlp_endpoint)))
-        self._provider = provider
-        self._tracer = provider.get_tracer("gateway")
+            self._processor = BatchSpanProcessor(_otlp_exporter(config.otlp_endpoint))
+        self._resource = Resource.create({"service.name": config.service_name})
+        self._scope = InstrumentationScope("gateway")
 
-    def start(self, name: str, headers: Mapping[str, str] | None) -> Span | None:
-        """A SERVER span, child of the caller's ``traceparent`` when it sent one; ``None``
-        when this request is not sampled (and has no parent)."""
+    def start(self, headers: Mapping[str, str] | None) -> SpanHandle | None:
+        """A span for this request, child of the caller's ``traceparent`` when valid;
+        ``None`` when it is not sampled."""
         parent = None
+        tracestate = None
         if headers is not None and "traceparent" in headers:
-            parent = self._propagator.extract(headers)
-            if not trace.get_current_span(parent).get_span_context().is_valid:
-                parent = None  # malformed: treated as absent
-        if parent is None and self._ratio < 1.0 and self._rng.random() >= self._ratio:
+            parent = parse_traceparent(headers["traceparent"])
+        if parent is not None:
+            if not parent.trace_flags.sampled:
+                return None
+            tracestate = headers.get("tracestate") if headers is not None else None
+            trace_id = parent.trace_id
+        elif self._ratio < 1.0 and self._rng.random() >= self._ratio:
             return None
-        return self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
+        else:
+            trace_id = self._rng.getrandbits(128) or 1
+        return SpanHandle(trace_id, self._rng.getrandbits(64) or 1, parent, tracestate)
 
-    def inject(self, span: Span) -> dict[str, str]:
-        """Headers (``traceparent``, maybe ``tracestate``) that make a worker's span a child."""
-        ctx = span.get_span_context()
-        if ctx.trace_state:
-            carrier: dict[str, str] = {}
-            self._propagator.inject(carrier, context=trace.set_span_in_context(span))
-            return carrier
-        return {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"}
+    @staticmethod
+    def inject(handle: SpanHandle) -> dict[str, str]:
+        """Headers (``traceparent``, and the caller's ``tracestate``) for the worker."""
+        if handle.tracestate:
+            return {"traceparent": handle.traceparent, "tracestate": handle.tracestate}
+        return {"traceparent": handle.traceparent}
+
+    def end(self, handle: SpanHandle, name: str, attributes: dict[str, Any]) -> None:
+        """Build the finished span and hand it to the exporter's processor."""
+        if self._processor is None:
+            return
+        state = TraceState.from_header([handle.tracestate]) if handle.tracestate else None
+        span = ReadableSpan(
+            name=name,
+            context=SpanContext(
+                handle.trace_id, handle.span_id, False, trace_flags=_SAMPLED, trace_state=state
+            ),
+            parent=handle.parent,
+            resource=self._resource,
+            attributes=attributes,
+            kind=SpanKind.SERVER,
+            start_time=handle.start_ns,
+            end_time=time.time_ns(),
+            instrumentation_scope=self._scope,
+        )
+        self._processor.on_end(span)
 
     def shutdown(self) -> None:
         """Flush and stop the exporter. Idempotent."""
-        if self._provider is not None:
-            self._provider.shutdown()
-            self._provider = None
+        if self._processor is not None:
+            self._processor.shutdown()
+            self._processor = None

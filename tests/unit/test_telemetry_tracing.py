@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+import gateway.telemetry_tracing
 from gateway.decisions import CandidateScore, DecisionRecord
 from gateway.logging_setup import REQUEST_ID
 from gateway.telemetry import _CURRENT, Telemetry, TelemetryConfig
-from gateway.telemetry_tracing import Tracing, TracingConfig
+from gateway.telemetry_tracing import Tracing, TracingConfig, parse_traceparent
 
 ROUTE = "/v1/chat/completions"
 PARENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -157,11 +160,54 @@ def test_tracing_off_creates_no_span() -> None:
     t.shutdown()
 
 
-def test_console_exporter_builds_and_shuts_down() -> None:
-    tracing = Tracing(TracingConfig(exporter="console"))
-    assert tracing.enabled
-    tracing.shutdown()
-    tracing.shutdown()
+def test_console_exporter_prints_the_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.StringIO()  # ConsoleSpanExporter binds sys.stdout at import: give it a buffer
+    monkeypatch.setattr(
+        gateway.telemetry_tracing, "ConsoleSpanExporter", lambda: ConsoleSpanExporter(out=out)
+    )
+    t = Telemetry(TelemetryConfig(tracing=TracingConfig(exporter="console")))
+    assert t.tracing_enabled
+    rt = t.begin_request("req-console", ROUTE, "m")
+    rt.decided(record("w1"))
+    rt.finish(200, ttft_s=0.01)
+    t.shutdown()  # the batch processor flushes on shutdown
+    t.shutdown()
+    text = out.getvalue()
+    assert '"gateway.request_id": "req-console"' in text
+    assert '"kind": "SpanKind.SERVER"' in text
+
+
+def test_tracestate_is_forwarded(traced: Telemetry, exporter: InMemorySpanExporter) -> None:
+    headers = {"traceparent": PARENT, "tracestate": "vendor=abc"}
+    rt = traced.begin_request("r", ROUTE, headers=headers)
+    assert rt.upstream_headers()["tracestate"] == "vendor=abc"
+    rt.finish(200)
+    (span,) = exporter.get_finished_spans()
+    assert span.parent is not None and format(span.parent.span_id, "016x") == "b7ad6b7169203331"
+    ctx = span.get_span_context()
+    assert ctx is not None and ctx.trace_state.get("vendor") == "abc"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
+        "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+        "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+        "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+        "00-0af7651916cd43dd8448eb211c8031-b7ad6b7169203331-01",
+    ],
+)
+def test_invalid_traceparents(value: str) -> None:
+    assert parse_traceparent(value) is None
+
+
+def test_unsampled_parent_gets_no_span(traced: Telemetry, exporter: InMemorySpanExporter) -> None:
+    rt = traced.begin_request("r", ROUTE, headers={"traceparent": PARENT[:-2] + "00"})
+    assert dict(rt.upstream_headers()) == {}
+    rt.finish(200)
+    assert exporter.get_finished_spans() == ()
 
 
 @pytest.mark.parametrize(
