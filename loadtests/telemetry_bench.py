@@ -221,6 +221,34 @@ def _per_request_otel(records: list[DecisionRecord]) -> Callable[[], None]:
     return run
 
 
+def _sdk_spans(records: list[DecisionRecord]) -> Callable[[], None]:
+    """One span per request the SDK's usual way (``start_span`` … ``set_attributes`` …
+    ``end``), 13 attributes, into a dropping exporter: what ``Tracing`` avoids."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.trace import SpanKind
+
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(DropExporter()))
+    tracer = provider.get_tracer("bench")
+
+    def run() -> None:
+        for rec in records:
+            span = tracer.start_span("/v1/chat/completions", kind=SpanKind.SERVER)
+            span.set_attributes({
+                "gateway.request_id": rec.request_id, "http.route": "/v1/chat/completions",
+                "http.response.status_code": 200, "gateway.retries": 0,
+                "gen_ai.request.model": "m", "gateway.policy": rec.policy,
+                "gateway.worker": rec.worker, "gateway.reason": rec.reason,
+                "gateway.candidates": 8, "gateway.matched_tokens": rec.matched_tokens,
+                "gateway.prompt_tokens": rec.prompt_tokens, "gateway.ttft_s": 0.01,
+                "gateway.reported_cached_tokens": 400,
+            })  # fmt: skip
+            span.end()
+
+    return run
+
+
 def _decision_ring(records: list[DecisionRecord]) -> Callable[[], None]:
     from policies.base import Decision, WorkerView
 
@@ -280,6 +308,7 @@ def micro(n: int, repeats: int) -> list[tuple[str, float]]:
             "8 metric updates: OpenTelemetry metrics SDK + Prometheus reader",
             _per_request_otel(records),
         ),
+        ("one span the SDK's usual way (start_span, set_attributes, end)", _sdk_spans(records)),
         ("decision record from_decision + ring add (8 candidates)", _decision_ring(records)),
     ]
     out = [(name, _time_us(run, n, repeats)) for name, run in cases]
