@@ -10,16 +10,26 @@ from __future__ import annotations
 
 from loadtests.replay_workers import SimOutput
 from policies.base import EngineLoad
+from simulator.config import SimConfig
 from simulator.model import SimRequest, WorkerModel
-from simulator.profiles import Profile
 from simulator.radix_cache import TOKEN_BYTES
 
 
 class ModelWorker:
     """One simulated worker on the replay's virtual clock."""
 
-    def __init__(self, profile: Profile, capacity_tokens: int, seed: int = 0) -> None:
-        self.model = WorkerModel(profile=profile, capacity_tokens=capacity_tokens, seed=seed)
+    def __init__(self, config: SimConfig) -> None:
+        # exactly as simulator.server.SimulatedWorker builds its engine from a SimConfig
+        profile = config.resolved_profile()
+        context = config.context_length or profile.context_length
+        self.model = WorkerModel(
+            profile=profile.with_overrides(context_length=context),
+            capacity_tokens=config.capacity_tokens,
+            page_size=config.page_size,
+            max_running_requests=config.max_running_requests,
+            schedule_policy=config.schedule_policy,
+            seed=config.seed,
+        )
 
     def submit(self, rid: str, prompt_key: bytes, max_tokens: int, now: float) -> None:
         req = SimRequest(rid, prompt_key, max_new_tokens=max_tokens,

@@ -57,8 +57,10 @@ def prefill_time_fn(profile: str | None) -> Callable[[int, int], float]:
 
 
 def make_workers(count: int, capacity_tokens: int, profile: str | None) -> list[SimWorker]:
-    """``count`` simulated workers of ``capacity_tokens`` KV each."""
+    """``count`` simulated workers of ``capacity_tokens`` KV each, configured as the HTTP
+    simulator configures its workers (``simulator.config.SimConfig`` defaults)."""
     from loadtests.replay_model import ModelWorker
+    from simulator.config import SimConfig
 
-    prof = resolve_profile(profile)
-    return [ModelWorker(prof, capacity_tokens, seed=i) for i in range(count)]
+    config = SimConfig(capacity_tokens=capacity_tokens, profile=resolve_profile(profile).name)
+    return [ModelWorker(config) for _ in range(count)]
