@@ -12,7 +12,7 @@ Contract:
   hung up before the status line). An idle kept-alive connection that turns out closed
   before any answer is replaced by a fresh one once, transparently.
 - Every wait (connect, head, body) ends at the request's ``deadline`` (loop time) with
-  ``TimeoutError``.
+  ``TimeoutError`` (for the body: one timer per response cuts the connection).
 - Bodies: ``Content-Length``, ``chunked``, or until close. :meth:`UpstreamResponse.readany`
   returns whatever body bytes are available (chunk framing removed), ``b""`` at the end;
   :meth:`read` returns the rest whole. Broken bodies raise :class:`UpstreamError`
@@ -192,15 +192,16 @@ def _request_head(target: _Target, path: str, headers: Iterable[tuple[str, str]]
 class UpstreamResponse:
     """The worker's answer: status and headers parsed, body read on demand."""
 
-    __slots__ = ("_buf", "_chunk_left", "_conn", "_deadline", "_done", "_length", "_mode",
-                 "_pool", "_state", "_target", "headers", "keep_alive", "status")
+    __slots__ = ("_buf", "_chunk_left", "_conn", "_done", "_expired", "_length", "_mode",
+                 "_pool", "_state", "_target", "_watchdog", "headers", "keep_alive", "status")
 
     def __init__(self, pool: UpstreamPool, target: _Target, conn: _Conn, raw: bytes,
                  deadline: float) -> None:
         self._pool = pool
         self._target = target
         self._conn: _Conn | None = conn
-        self._deadline = deadline
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._expired = False
         lines = raw.decode("latin-1").split("\r\n")
         status_line = lines[0].split(" ", 2)
         try:
@@ -239,6 +240,8 @@ class UpstreamResponse:
         self._done = self._mode == "length" and length == 0
         if self._done:
             self._finish()
+        else:
+            self._watchdog = asyncio.get_running_loop().call_at(deadline, self._expire)
 
     def header(self, name: str) -> str | None:
         low = name.lower()
@@ -249,6 +252,9 @@ class UpstreamResponse:
 
     def _finish(self) -> None:
         self._done = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         conn, self._conn = self._conn, None
         if conn is not None:
             if self.keep_alive:
@@ -260,6 +266,9 @@ class UpstreamResponse:
         """Drop the connection (the worker sees it close); idempotent."""
         conn, self._conn = self._conn, None
         self._done = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if conn is not None:
             conn.close()
 
@@ -281,29 +290,35 @@ class UpstreamResponse:
             return b""
         reader = self._conn.reader
         try:
-            async with asyncio.timeout_at(self._deadline):
-                if self._mode == "length":
-                    data = await reader.read(min(self._length, _READ_SIZE))
-                    if not data:
-                        raise asyncio.IncompleteReadError(b"", self._length)
-                    self._length -= len(data)
-                    if self._length == 0:
-                        self._finish()
-                    return data
-                if self._mode == "close":
-                    data = await reader.read(_READ_SIZE)
-                    if not data:
-                        self._finish()
-                    return data
-                return await self._read_chunked(reader)
-        except TimeoutError:
-            self.close()
-            raise
+            if self._mode == "length":
+                data = await reader.read(min(self._length, _READ_SIZE))
+                if not data:
+                    raise asyncio.IncompleteReadError(b"", self._length)
+                self._length -= len(data)
+                if self._length == 0:
+                    self._finish()
+                return data
+            if self._mode == "close":
+                data = await reader.read(_READ_SIZE)
+                if not data:
+                    if self._expired:
+                        raise asyncio.IncompleteReadError(b"", None)
+                    self._finish()
+                return data
+            return await self._read_chunked(reader)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
                 OSError, ValueError) as exc:
             self.close()
+            if self._expired:
+                raise TimeoutError("the worker's answer outlived the deadline") from None
             raise UpstreamError("dropped", f"the worker's body was cut short: {exc!r}"
                                 ) from None
+
+    def _expire(self) -> None:
+        """The deadline passed: cut the connection; the pending read turns into a timeout.
+        One timer per response is far cheaper than a timeout context per read."""
+        self._expired = True
+        self.close()
 
     async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
         """The next data of a chunked body: all that is decodable now, at least one byte,

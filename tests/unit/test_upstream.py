@@ -188,3 +188,22 @@ async def test_close_delimited_body(serve: Any) -> None:
         assert not resp.keep_alive and await resp.read() == b"all of it"
     finally:
         await pool.close()
+
+
+async def test_body_past_the_deadline_is_timeout(serve: Any) -> None:
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n")
+        await writer.drain()
+        await asyncio.sleep(10)
+
+    worker = await serve(slow)
+    pool = UpstreamPool(connect_timeout_s=1.0)
+    try:
+        resp = await pool.request(worker.url, "/", [], b"{}", _deadline(0.3))
+        assert await resp.readany() == b"ab"
+        with pytest.raises(TimeoutError):
+            await resp.readany()
+        assert await resp.readany() == b""  # closed: nothing more, no error
+    finally:
+        await pool.close()
