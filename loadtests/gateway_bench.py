@@ -284,21 +284,23 @@ def _router_cmd(port: int, urls: Sequence[str]) -> list[str]:
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_ports(1)[0])]
 
 
-MEASURES = ("non-stream", "stream", "fixed-rate")
+def _measures(args: argparse.Namespace) -> list[str]:
+    closed = [f"{kind} c={c}" for c in args.concurrency for kind in ("non-stream", "stream")]
+    return [*closed, f"non-stream @ {args.rate:g} rps"]
 
 
 def _measure(urls: Sequence[str], measure: str, args: argparse.Namespace) -> dict[str, Any]:
     targets = [u + CHAT_PATH for u in urls]
-    if measure == "fixed-rate":
+    if "@" in measure:
         return _run_client(targets, rate=args.rate, duration=args.duration)
-    return _run_client(targets, stream=measure == "stream", concurrency=args.concurrency,
+    kind, _, level = measure.partition(" c=")
+    return _run_client(targets, stream=kind == "stream", concurrency=int(level),
                        duration=args.duration)
 
 
-def _combine(path: str, measure: str, runs: Sequence[dict[str, Any]], rate: float) -> Row:
+def _combine(path: str, label: str, runs: Sequence[dict[str, Any]]) -> Row:
     """Rounds of one cell: median requests/s, percentiles over every round's latencies."""
     latencies = [x for run in runs for x in run["latencies_s"]]
-    label = f"non-stream @ {rate:g} rps" if measure == "fixed-rate" else measure
     return Row(path, label, statistics.median(r["rps"] for r in runs),
                _pct(latencies, 0.5) * 1e3, _pct(latencies, 0.99) * 1e3,
                sum(r["errors"] for r in runs), sum(r["requests"] for r in runs))
@@ -351,13 +353,13 @@ def _orchestrate(args: argparse.Namespace) -> str:
         # every path alike rather than on whichever ran during a busy minute.
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for _ in range(args.rounds):
-            for measure in MEASURES:
+            for measure in _measures(args):
                 for name, target in paths.items():
                     runs.setdefault((name, measure), []).append(_measure(target, measure, args))
         notes.append("load average (1 min) of the shared machine before / after: "
                      f"{load_before:.1f} / {os.getloadavg()[0]:.1f}")
-        rows = [_combine(name, measure, runs[(name, measure)], args.rate)
-                for name in paths for measure in MEASURES]
+        rows = [_combine(name, measure, runs[(name, measure)])
+                for name in paths for measure in _measures(args)]
         if not router_ok:
             tail = (logs / "router.log").read_text(errors="replace")[-600:]
             notes.append(f"sglang-router did not serve (exit {router_proc.poll()}): {tail}")
@@ -367,14 +369,15 @@ def _orchestrate(args: argparse.Namespace) -> str:
 def _report(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace) -> str:
     by = {(r.path, r.measure): r for r in rows}
     lines = [_table(rows), ""]
-    for measure in ("stream", "non-stream"):
+    for measure in _measures(args)[:-1]:
         ours, theirs = by.get(("this gateway", measure)), by.get(("sglang-router 0.3.2", measure))
         if ours and theirs and theirs.rps:
             lines.append(f"- {measure}: this gateway / sglang-router = "
                          f"{ours.rps / theirs.rps:.2f}x requests/s")
     lines += [f"- {note}" for note in notes]
+    levels = "/".join(str(c) for c in args.concurrency)
     lines.append(f"- settings: {args.workers} simulated workers, {args.rounds} interleaved "
-                 f"rounds; closed loop at {args.concurrency} concurrent for {args.duration:g} s "
+                 f"rounds; closed loop at {levels} concurrent for {args.duration:g} s "
                  "per cell, open loop "
                  f"at {args.rate:g} rps; max_tokens {CHAT_BODY['max_tokens']}; "
                  f"machine: {os.cpu_count()} cores shared by every process.")
@@ -403,7 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.gateway_bench")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--duration", type=float, default=8.0)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32],
+                        help="closed-loop concurrency levels")
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--write-benchmarks", action="store_true",
