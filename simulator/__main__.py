@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from simulator.config import SimConfig
@@ -16,15 +17,19 @@ from simulator.profiles import DEFAULT_PROFILE, PROFILES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    profiles = "\n".join(f"  {p.name:16} {p.description}" for p in PROFILES.values())
+    profiles = "\n".join(
+        f"  {p.name:16} "
+        + textwrap.fill(p.description, 79, initial_indent=" " * 19, subsequent_indent=" " * 19)[19:]
+        for p in PROFILES.values()
+    )
     parser = argparse.ArgumentParser(
         prog="sglang-sim",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Serve N simulated SGLang 0.5.23 workers on ports P..P+N-1 from one uvloop "
-            "event loop. Each has SGLang's HTTP API, a radix KV cache with LRU eviction, "
-            "continuous batching and the latency model of a named profile. Prints one URL "
-            "per line on stdout; stops on SIGINT/SIGTERM."
+            "Serve N simulated SGLang 0.5.23 workers on ports P..P+N-1 from one uvloop event\n"
+            "loop. Each has SGLang's HTTP API, a radix KV cache with LRU eviction, continuous\n"
+            "batching and the latency model of a named profile. Prints one URL per line on\n"
+            "stdout; stops on SIGINT/SIGTERM."
         ),
         epilog=(
             f"profiles:\n{profiles}\n\n"
@@ -32,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
             '{"error_rate", "error_status", "latency_s", "hang", "drop_mid_stream_after",\n'
             '"fail_health"}; GET /_sim/stats for counters.\n\n'
             "example:\n  python -m simulator --workers 2 --base-port 31000 "
-            "--capacity-tokens 200000 --enable-metrics --enable-cache-report"
+            "--capacity-tokens 200000 \\\n      --enable-metrics --enable-cache-report"
         ),
     )
     add = parser.add_argument

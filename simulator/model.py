@@ -44,6 +44,7 @@ from typing import Literal
 
 import xxhash
 
+from simulator.config import SimConfig
 from simulator.profiles import DEFAULT_PROFILE, Profile, get_profile
 from simulator.radix_cache import TOKEN_BYTES, CacheListener, RadixCache, TreeNode, encode_tokens
 from simulator.tokenizer import default_tokenizer
@@ -249,6 +250,22 @@ class WorkerModel:
     seed: int = 0
     output_source: OutputSource = pseudo_text_output
     listener: CacheListener | None = None
+
+    @classmethod
+    def from_config(cls, config: SimConfig, listener: CacheListener | None = None) -> WorkerModel:
+        """The model of one worker configured by ``config``, exactly as the HTTP simulator
+        builds it (the offline replay uses this too, so both run the same worker)."""
+        profile = config.resolved_profile()
+        context = config.context_length or profile.context_length
+        return cls(
+            profile=profile.with_overrides(context_length=context),
+            capacity_tokens=config.capacity_tokens,
+            page_size=config.page_size,
+            max_running_requests=config.max_running_requests,
+            schedule_policy=config.schedule_policy,
+            seed=config.seed,
+            listener=listener,
+        )
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):

@@ -104,14 +104,7 @@ class SimulatedWorker:
         self.model: str = config.model_name
         self.profile = config.resolved_profile()
         self.context_length = config.context_length or self.profile.context_length
-        self.engine = WorkerModel(
-            profile=self.profile.with_overrides(context_length=self.context_length),
-            capacity_tokens=config.capacity_tokens,
-            page_size=config.page_size,
-            max_running_requests=config.max_running_requests,
-            schedule_policy=config.schedule_policy,
-            seed=config.seed,
-        )
+        self.engine = WorkerModel.from_config(config)
         self.faults: Faults = dataclasses.replace(config.faults)
         self.stats = SimStats()
         self.request_metrics = metrics.RequestMetrics()
