@@ -21,6 +21,7 @@ import contextlib
 from collections.abc import Callable
 
 from simulator.model import Finish, RequestOutput, SimRequest, StepResult, WorkerModel
+from simulator.radix_cache import TOKEN_BYTES
 
 _JITTER_WALL_S = 0.005
 _MIN_SLEEP_WALL_S = 0.001
@@ -164,7 +165,7 @@ class ModelDriver:
             raise ValueError(f"Duplicate request ID detected: {req.rid}")
         self.engine.submit(req, now)
         prompt = req.prompt_ids
-        prompt_tokens = len(prompt) // 4 if isinstance(prompt, bytes) else len(prompt)
+        prompt_tokens = len(prompt) // TOKEN_BYTES if isinstance(prompt, bytes) else len(prompt)
         handle = RequestHandle(req.rid, prompt_tokens, req.stream, log_metrics, now, self._loop)
         self._handles[req.rid] = handle
         self._wake()
