@@ -3,7 +3,8 @@
 Each ``DIR`` (or ``DIR/summary.json``) is a finished replay; rows keep the given order.
 Columns: policy, token hit rate, hit efficiency against OPT and pooled LRU, TTFT mean /
 p90 / p99, prefill-work efficiency, load imbalance (mean over 60 s windows); the bounds of
-the first run head the table (the runs are expected to share a workload).
+the first run head the table (the runs are expected to share a workload). ``--chart PNG``
+also draws hit rate against p99 TTFT, one point per run, with the OPT and pooled-LRU lines.
 """
 
 from __future__ import annotations
@@ -57,9 +58,47 @@ def compare_table(summaries: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_chart(path: Path, summaries: Sequence[Mapping[str, Any]], title: str) -> None:
+    """Hit rate against p99 TTFT, one labelled point per run, the bounds as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summaries:
+        x, y = s["ttft_s"]["p99"], s["hit_rate"]
+        ax.scatter([x], [y], s=18)
+        ax.annotate(_label(s), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    bounds = summaries[0]["bounds"]
+    for key, style in (("opt", "--"), ("lru_pooled", ":")):
+        ax.axhline(bounds[key], linestyle=style, color="grey", linewidth=0.8)
+        ax.annotate(key, (ax.get_xlim()[1], bounds[key]), fontsize=7, ha="right", va="bottom")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT p99 (s, log)")
+    ax.set_ylabel("token hit rate")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def compare_main(argv: Sequence[str]) -> int:
-    if not argv:
-        print("usage: python -m loadtests.replay compare DIR [DIR ...]")
+    args = list(argv)
+    chart: Path | None = None
+    if "--chart" in args:
+        at = args.index("--chart")
+        chart = Path(args[at + 1])
+        del args[at : at + 2]
+    if not args:
+        print("usage: python -m loadtests.replay compare DIR [DIR ...] [--chart PNG]")
         return 2
-    print(compare_table([_load(a) for a in argv]), end="")
+    summaries = [_load(a) for a in args]
+    print(compare_table(summaries), end="")
+    if chart is not None:
+        try:
+            write_chart(chart, summaries, chart.stem)
+        except ImportError:
+            print("matplotlib is not installed (pip install -e '.[bench]'): chart skipped")
     return 0

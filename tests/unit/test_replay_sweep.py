@@ -48,4 +48,5 @@ def test_tiny_sweep_writes_results(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps(summaries[0]))
-    assert compare_main([str(run)]) == 0
+    assert compare_main([str(run), "--chart", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0
