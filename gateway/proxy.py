@@ -42,6 +42,7 @@ HOP_BY_HOP = frozenset(
     {
         "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+        "expect",  # the gateway already read the body: no 100-continue dance upstream
     }
 )
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}

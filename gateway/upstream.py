@@ -164,6 +164,8 @@ class UpstreamPool:
             async with asyncio.timeout_at(deadline):
                 await conn.writer.drain()
                 raw = await conn.reader.readuntil(b"\r\n\r\n")
+                while raw.startswith(b"HTTP/1.1 1") and not raw.startswith(b"HTTP/1.1 101"):
+                    raw = await conn.reader.readuntil(b"\r\n\r\n")  # interim 1xx: skip
         except TimeoutError:  # an OSError too: caught first, it is not a hang-up
             conn.close()
             raise

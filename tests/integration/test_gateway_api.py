@@ -136,3 +136,14 @@ async def test_health_and_readiness(fleet: SimulatedFleet, client: ClientSession
             async with client.get(gw.url + path) as resp:
                 assert resp.status == 503
                 assert resp.headers["Retry-After"]
+
+
+async def test_expect_continue_from_the_client(fleet: SimulatedFleet,
+                                               client: ClientSession) -> None:
+    async with run_gateway(fleet.urls[:1]) as gw:
+        body = {**CHAT, "messages": [{"role": "user", "content": "long " * 400}]}
+        async with client.post(gw.url + "/v1/chat/completions", json=body,
+                               expect100=True) as resp:
+            assert resp.status == 200, await resp.text()
+        seen = await sim_stats(client, fleet.urls[0])
+        assert "expect" not in {k.lower() for k in seen.get("last_request_headers", {})}

@@ -207,3 +207,20 @@ async def test_body_past_the_deadline_is_timeout(serve: Any) -> None:
         assert await resp.readany() == b""  # closed: nothing more, no error
     finally:
         await pool.close()
+
+
+async def test_interim_1xx_is_skipped(serve: Any) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n"
+                     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+
+    worker = await serve(script)
+    pool = UpstreamPool(connect_timeout_s=1.0)
+    try:
+        resp = await pool.request(worker.url, "/", [], b"{}", _deadline())
+        assert resp.status == 200 and await resp.read() == b"ok"
+    finally:
+        await pool.close()
