@@ -163,8 +163,8 @@ class Router:
         return self.policy.select(ctx)
 
     def _dispatch(self, req: RouteRequest, worker: Worker, record: DecisionRecord) -> Lease:
-        if req.block_hashes and req.kind is not ApiKind.EMBEDDINGS:
-            self._index.record(req.block_hashes, worker.id)
+        if req.block_hashes and self.policy.uses_prefix_match:
+            self._index.record(req.block_hashes, worker.id)  # at dispatch: siblings co-locate
         return Lease(worker, max(0, req.prompt_tokens - record.matched_tokens))
 
     def _feedback(self, req: RouteRequest, worker: Worker, lease: Lease, predicted_blocks: int,
