@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,loadtest
+EXTRAS ?= dev,loadtest,engine
 
 .PHONY: install test demo lint bench clean
 
