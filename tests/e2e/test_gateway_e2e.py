@@ -11,8 +11,8 @@ The gateway has no ``llamacpp`` worker kind yet to read that from ``/props``
 (``total_slots``), so the main runs tell it with the sglang-router flag
 ``--max-tree-size`` (indexed prompt characters per worker = slots x longest prompt).
 ``test_min_ttft_learns_capacity_from_the_engine`` runs without the hint and is expected
-to fail until the gateway derives capacity itself (strict xfail: it then turns red so
-the marker gets removed).
+to fail until the gateway derives capacity itself (xfail, not strict: min_ttft places new
+prefixes at random among equal scores, so it passes by luck now and then).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_min_ttft_halves_the_median_ttft(policy_runs: dict[str, RunResult]) -> N
 
 
 @pytest.mark.xfail(
-    strict=True, reason="no llamacpp worker kind yet: capacity (/props total_slots) unknown"
+    strict=False, reason="no llamacpp worker kind yet: capacity (/props total_slots) unknown"
 )
 def test_min_ttft_learns_capacity_from_the_engine(
     llama_fleet: LlamaFleet, log_dir: Path, policy_runs: dict[str, RunResult]
