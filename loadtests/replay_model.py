@@ -55,8 +55,10 @@ class ModelWorker:
         return self.model.num_in_system
 
     def occupancy(self) -> float:
+        # KV held by live requests (SGLang's token_usage); the pool itself, cached
+        # prefixes included, is full soon after the start and says little
         cache = self.model.cache
-        return (cache.capacity - cache.available) / cache.capacity
+        return cache.used / cache.capacity
 
     def engine_load(self) -> EngineLoad:
         """What ``/v1/loads`` would report now (the model's lagged snapshot)."""

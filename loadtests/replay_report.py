@@ -123,7 +123,7 @@ def write_charts(
             ax_q.plot(xs, [p[1] for p in points], label=worker, linewidth=0.8)
             ax_c.plot(xs, [p[2] for p in points], label=worker, linewidth=0.8)
     ax_q.set_ylabel("requests queued + running")
-    ax_c.set_ylabel("KV occupancy (fraction)")
+    ax_c.set_ylabel("KV of live requests (fraction)")
     ax_c.set_xlabel("virtual time (s)")
     ax_q.legend(fontsize=6, ncol=4)
     paths.append(_save(fig, out / "worker_timelines.png"))

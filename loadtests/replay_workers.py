@@ -41,7 +41,7 @@ class SimWorker(Protocol):
         """Requests waiting or running."""
 
     def occupancy(self) -> float:
-        """KV pool in use, as a fraction of capacity."""
+        """KV held by running requests, as a fraction of capacity (``token_usage``)."""
 
     def engine_load(self) -> EngineLoad:
         """What the worker's ``/v1/loads`` would report now."""
