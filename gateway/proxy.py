@@ -46,7 +46,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
-_REPLACED = HOP_BY_HOP | {"x-request-id"}
+_REPLACED = HOP_BY_HOP | {"x-request-id", "content-type"}
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _CACHED_MARK = b'"cached_tokens"'
 _DONE = b"data: [DONE]"
@@ -79,12 +79,14 @@ class Outcome:
 
 def upstream_headers(headers: CIMultiDictProxy[str], request_id: str,
                      extra: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones, with the request id (and ``extra``) set."""
+    """The client's headers minus hop-by-hop ones, with the request id, a JSON content
+    type (and ``extra``) set."""
     out = [(key, value) for key, value in headers.items()
            if key.lower() not in _REPLACED]
     out.append(("x-request-id", request_id))
-    if "content-type" not in headers:
-        out.append(("Content-Type", "application/json"))  # SGLang refuses anything else
+    # The body parsed as JSON, and SGLang refuses any other type: curl's -d default
+    # (form-urlencoded) must not turn a valid request into a worker's 400.
+    out.append(("Content-Type", "application/json"))
     out.extend(extra.items())
     return out
 

@@ -147,3 +147,14 @@ async def test_expect_continue_from_the_client(fleet: SimulatedFleet,
             assert resp.status == 200, await resp.text()
         seen = await sim_stats(client, fleet.urls[0])
         assert "expect" not in {k.lower() for k in seen.get("last_request_headers", {})}
+
+
+async def test_form_content_type_still_reaches_worker_as_json(fleet: SimulatedFleet,
+                                                              client: ClientSession) -> None:
+    import json
+
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d` sends
+    async with (run_gateway(fleet.urls[:1]) as gw,
+                client.post(gw.url + "/v1/chat/completions", data=json.dumps(CHAT),
+                            headers=form) as resp):
+        assert resp.status == 200, await resp.text()
