@@ -85,9 +85,9 @@ async def test_404_405_413(fleet: SimulatedFleet, client: ClientSession) -> None
 
 async def test_admission_429_and_503(fleet: SimulatedFleet, client: ClientSession) -> None:
     async with run_gateway(fleet.urls[:1], admission__max_concurrent_requests=1,
-                           admission__queue_size=1, admission__queue_timeout_s=0.2) as gw:
+                           admission__queue_size=1, admission__queue_timeout_s=0.6) as gw:
         url = gw.url + "/v1/chat/completions"
-        await sim_faults(client, fleet.urls[0], latency_s=1.0)  # the slot stays held
+        await sim_faults(client, fleet.urls[0], latency_s=2.0)  # the slot stays held
 
         async def post(body: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
             async with client.post(url, json=body) as resp:

@@ -90,7 +90,7 @@ async def test_worker_drops_mid_stream(fleet: SimulatedFleet, client: ClientSess
 async def test_worker_killed_mid_stream(fleet: SimulatedFleet, client: ClientSession) -> None:
     async with run_gateway(fleet.urls) as gw:
         async with client.post(gw.url + "/v1/chat/completions",
-                               json={**LONG, "max_tokens": 4000, "stream": True}) as resp:
+                               json={**LONG, "max_tokens": 20000, "stream": True}) as resp:
             assert resp.status == 200
             first = await resp.content.readany()
             assert first.startswith(b"data: ")
@@ -107,7 +107,7 @@ async def test_client_disconnect_aborts_on_worker(fleet: SimulatedFleet,
     async with run_gateway(fleet.urls[:1]) as gw:
         url = fleet.urls[0]
         async with client.post(gw.url + "/v1/chat/completions",
-                               json={**LONG, "max_tokens": 4000, "stream": True}) as resp:
+                               json={**LONG, "max_tokens": 20000, "stream": True}) as resp:
             assert resp.status == 200
             await resp.content.readany()
             worker = gw.registry.find(url)
@@ -135,7 +135,7 @@ async def test_client_disconnect_non_streaming(fleet: SimulatedFleet,
         with_timeout = aiohttp.ClientTimeout(total=0.3)
         try:
             async with client.post(gw.url + "/v1/chat/completions",
-                                   json={**LONG, "max_tokens": 4000},
+                                   json={**LONG, "max_tokens": 20000},  # seconds of decoding
                                    timeout=with_timeout) as resp:
                 await resp.read()
         except TimeoutError:
