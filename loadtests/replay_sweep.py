@@ -126,24 +126,30 @@ def render_sweep(result: Mapping[str, Any], policy: str) -> str:
 
 
 def write_pareto(path: Path, rows: Sequence[Mapping[str, Any]], policy: str) -> None:
+    """Hit rate against p99 TTFT per point; the Pareto front joined per time scale (only
+    settings under the same load are comparable)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [(r["summary"]["hit_rate"], r["summary"]["ttft_s"]["p99"]) for r in rows]
-    front = sorted(pareto_front(pts), key=lambda i: pts[i][1])
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.scatter([p[1] for p in pts], [p[0] for p in pts], s=14, color="tab:blue")
-    for r, (hit, p99) in zip(rows, pts, strict=True):
-        label = f"{json.dumps(r['policy_args'], sort_keys=True)} x{r['time_scale']:g}"
-        ax.annotate(label, (p99, hit), fontsize=5)
-    ax.plot([pts[i][1] for i in front], [pts[i][0] for i in front], color="tab:red",
-            linewidth=1, label="Pareto front")  # fmt: skip
-    ax.set_xlabel("TTFT p99 (s)")
+    for scale in sorted({r["time_scale"] for r in rows}):
+        group = [r for r in rows if r["time_scale"] == scale]
+        pts = [(r["summary"]["hit_rate"], r["summary"]["ttft_s"]["p99"]) for r in group]
+        front = sorted(pareto_front(pts), key=lambda i: pts[i][1])
+        dots = ax.scatter([p[1] for p in pts], [p[0] for p in pts], s=14, label=f"x{scale:g}")
+        ax.plot([pts[i][1] for i in front], [pts[i][0] for i in front], linewidth=1,
+                color=dots.get_facecolor()[0])  # fmt: skip
+        for r, (hit, p99) in zip(group, pts, strict=True):
+            label = json.dumps(r["policy_args"], sort_keys=True)
+            ax.annotate(label, (p99, hit), fontsize=5, xytext=(2, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT p99 (s, log)")
     ax.set_ylabel("token hit rate")
-    ax.set_title(f"{policy}: hit rate vs p99 TTFT")
-    ax.legend(fontsize=7)
+    ax.set_title(f"{policy}: hit rate vs p99 TTFT (lines: Pareto front per time scale)",
+                 fontsize=8)  # fmt: skip
+    ax.legend(fontsize=7, title="time scale", title_fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
