@@ -1,0 +1,137 @@
+"""``make demo``: simulated SGLang workers and the gateway, started and stopped together.
+
+Reads the gateway config (``config/demo.yaml``), starts one simulator process serving a
+worker on each port listed under ``workers`` (all on 127.0.0.1), starts the gateway with
+that config, prints how to use it, and stops both (by process id) on Ctrl-C or SIGTERM,
+or as soon as either exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+
+_READY_TIMEOUT_S = 30.0
+
+
+def _worker_ports(config: dict[str, object]) -> list[int]:
+    urls = config.get("workers") or []
+    if not isinstance(urls, list) or not urls:
+        raise SystemExit("demo config: `workers` must list the simulated workers' URLs")
+    ports = []
+    for url in urls:
+        parts = urlsplit(str(url))
+        if parts.hostname != "127.0.0.1" or parts.port is None:
+            raise SystemExit(f"demo config: worker {url!r} must be http://127.0.0.1:PORT")
+        ports.append(parts.port)
+    if ports != list(range(ports[0], ports[0] + len(ports))):
+        raise SystemExit("demo config: worker ports must be consecutive (one simulator process)")
+    return ports
+
+
+def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit(f"a demo process exited early while waiting for {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+    raise SystemExit(f"{url} did not answer within {_READY_TIMEOUT_S:.0f} s")
+
+
+_CURL_BODY = (
+    '{"model": "sim-model", "messages": [{"role": "user", "content": "Hello!"}], '
+    '"max_tokens": 16}'
+)
+
+
+def _usage(gateway: str, n_workers: int) -> str:
+    return f"""
+The gateway is serving at {gateway} in front of {n_workers} simulated SGLang workers.
+
+Try it with curl (send it twice: the second reply's usage.prompt_tokens_details
+reports the cached prompt tokens, and the x-gateway-worker header names the worker):
+  curl -si {gateway}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{_CURL_BODY}'
+
+Or with the OpenAI Python client:
+  from openai import OpenAI
+  client = OpenAI(base_url="{gateway}/v1", api_key="unused")
+  reply = client.chat.completions.create(
+      model="sim-model", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=16)
+  print(reply.choices[0].message.content)
+
+Where to look:
+  metrics      {gateway}/metrics
+  dashboard    {gateway}/dashboard
+  decisions    {gateway}/debug/decisions?limit=10
+  workers      {gateway}/workers
+
+Press Ctrl-C to stop everything.
+"""
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("config/demo.yaml"))
+    parser.add_argument("--speed", type=float, default=1.0, help="simulator speed factor")
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(args.config.read_text())
+    ports = _worker_ports(config)
+    server = config.get("server") or {}
+    gateway = f"http://{server.get('host', '127.0.0.1')}:{server.get('port', 30000)}"
+    python = sys.executable
+    procs: list[subprocess.Popen[bytes]] = []
+    stop_requested = False
+
+    def _on_signal(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        procs.append(subprocess.Popen([
+            python, "-m", "simulator", "--workers", str(len(ports)),
+            "--base-port", str(ports[0]), "--enable-metrics", "--enable-cache-report",
+            "--speed", str(args.speed),
+        ], stdout=subprocess.DEVNULL))
+        _wait_ready(f"http://127.0.0.1:{ports[-1]}/health", procs)
+        procs.append(subprocess.Popen([python, "-m", "gateway", "--config", str(args.config)]))
+        _wait_ready(f"{gateway}/readiness", procs)
+        print(_usage(gateway, len(ports)), flush=True)
+        while not stop_requested and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+    finally:
+        _stop(procs)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
