@@ -24,49 +24,89 @@ from gateway.config import ConfigError, GatewayConfig, config_from_dict, merge, 
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--host": ("server.host", {"help": "address to listen on (default 127.0.0.1)"}),
     "--port": ("server.port", {"type": int, "help": "port to listen on (default 30000)"}),
-    "--worker-urls": ("workers", {"nargs": "+", "metavar": "URL",
-                                  "help": "worker URLs to register at start"}),
+    "--worker-urls": (
+        "workers",
+        {"nargs": "+", "metavar": "URL", "help": "worker URLs to register at start"},
+    ),
     "--policy": ("policy.name", {"help": "routing policy (default min_ttft); unknown → refused"}),
-    "--cache-threshold": ("policy.cache_threshold", {"type": float,
-                          "help": "cache_aware: minimum match rate for a prefix hit (0.3)"}),
-    "--balance-abs-threshold": ("policy.balance_abs_threshold", {"type": int,
-                                "help": "cache_aware: absolute load gap for imbalance (64)"}),
-    "--balance-rel-threshold": ("policy.balance_rel_threshold", {"type": float,
-                                "help": "cache_aware: relative load ratio for imbalance (1.5)"}),
-    "--eviction-interval-secs": ("prefix_index.eviction_interval_s", {"type": float,
-                                 "help": "seconds between prefix index sweeps (60)"}),
-    "--max-tree-size": ("prefix_index.max_tree_size", {"type": int,
-                        "help": "indexed prompt characters per worker (67108864)"}),
-    "--max-idle-secs": ("prefix_index.max_idle_s", {"type": float,
-                        "help": "drop index entries idle this long (3600)"}),
+    "--cache-threshold": (
+        "policy.cache_threshold",
+        {"type": float, "help": "cache_aware: minimum match rate for a prefix hit (0.3)"},
+    ),
+    "--balance-abs-threshold": (
+        "policy.balance_abs_threshold",
+        {"type": int, "help": "cache_aware: absolute load gap for imbalance (64)"},
+    ),
+    "--balance-rel-threshold": (
+        "policy.balance_rel_threshold",
+        {"type": float, "help": "cache_aware: relative load ratio for imbalance (1.5)"},
+    ),
+    "--eviction-interval-secs": (
+        "prefix_index.eviction_interval_s",
+        {"type": float, "help": "seconds between prefix index sweeps (60)"},
+    ),
+    "--max-tree-size": (
+        "prefix_index.max_tree_size",
+        {"type": int, "help": "indexed prompt characters per worker (67108864)"},
+    ),
+    "--max-idle-secs": (
+        "prefix_index.max_idle_s",
+        {"type": float, "help": "drop index entries idle this long (3600)"},
+    ),
     "--api-key": ("server.api_key", {"help": "require Authorization: Bearer KEY"}),
-    "--request-timeout-secs": ("server.request_timeout_s", {"type": float,
-                               "help": "bound on one worker attempt (1800)"}),
-    "--health-check-interval-secs": ("health.interval_s", {"type": float,
-                                     "help": "seconds between active probes (5)"}),
-    "--health-check-timeout-secs": ("health.timeout_s", {"type": float,
-                                    "help": "probe timeout (2)"}),
-    "--health-failure-threshold": ("health.failure_threshold", {"type": int,
-                                   "help": "consecutive failed probes to flag a worker (3)"}),
-    "--health-success-threshold": ("health.success_threshold", {"type": int,
-                                   "help": "consecutive passed probes to clear it (2)"}),
-    "--health-check-endpoint": ("health.endpoint", {
-        "help": "probe path (/health); /ping is cheaper on SGLang 0.5.23"}),
-    "--retry-max-retries": ("retry.max_retries", {"type": int,
-                            "help": "further attempts on other workers (3)"}),
-    "--max-concurrent-requests": ("admission.max_concurrent_requests", {"type": int,
-                                  "help": "requests proxied at once; 0 or -1 unlimited (0)"}),
-    "--queue-size": ("admission.queue_size", {"type": int,
-                     "help": "requests waiting for a slot; more get 429 (100)"}),
-    "--queue-timeout-secs": ("admission.queue_timeout_s", {"type": float,
-                             "help": "wait for a slot before 503 (60)"}),
-    "--max-payload-size": ("server.max_payload_size", {"type": int,
-                           "help": "largest request body in bytes; more get 413 (64 MiB)"}),
-    "--request-id-headers": ("server.request_id_headers", {"nargs": "+", "metavar": "HEADER",
-                             "help": "headers naming the request id, in order"}),
+    "--request-timeout-secs": (
+        "server.request_timeout_s",
+        {"type": float, "help": "bound on one worker attempt (1800)"},
+    ),
+    "--health-check-interval-secs": (
+        "health.interval_s",
+        {"type": float, "help": "seconds between active probes (5)"},
+    ),
+    "--health-check-timeout-secs": (
+        "health.timeout_s",
+        {"type": float, "help": "probe timeout (2)"},
+    ),
+    "--health-failure-threshold": (
+        "health.failure_threshold",
+        {"type": int, "help": "consecutive failed probes to flag a worker (3)"},
+    ),
+    "--health-success-threshold": (
+        "health.success_threshold",
+        {"type": int, "help": "consecutive passed probes to clear it (2)"},
+    ),
+    "--health-check-endpoint": (
+        "health.endpoint",
+        {"help": "probe path (/health); /ping is cheaper on SGLang 0.5.23"},
+    ),
+    "--retry-max-retries": (
+        "retry.max_retries",
+        {"type": int, "help": "further attempts on other workers (3)"},
+    ),
+    "--max-concurrent-requests": (
+        "admission.max_concurrent_requests",
+        {"type": int, "help": "requests proxied at once; 0 or -1 unlimited (0)"},
+    ),
+    "--queue-size": (
+        "admission.queue_size",
+        {"type": int, "help": "requests waiting for a slot; more get 429 (100)"},
+    ),
+    "--queue-timeout-secs": (
+        "admission.queue_timeout_s",
+        {"type": float, "help": "wait for a slot before 503 (60)"},
+    ),
+    "--max-payload-size": (
+        "server.max_payload_size",
+        {"type": int, "help": "largest request body in bytes; more get 413 (64 MiB)"},
+    ),
+    "--request-id-headers": (
+        "server.request_id_headers",
+        {"nargs": "+", "metavar": "HEADER", "help": "headers naming the request id, in order"},
+    ),
     "--log-level": ("server.log_level", {"help": "debug, info, warning, error (info)"}),
-    "--load-poll-interval-secs": ("load.poll_interval_s", {"type": float,
-                                  "help": "seconds between engine load polls; 0 off (1)"}),
+    "--load-poll-interval-secs": (
+        "load.poll_interval_s",
+        {"type": float, "help": "seconds between engine load polls; 0 off (1)"},
+    ),
 }
 _KEY_TO_FLAG = {key: flag for flag, (key, _) in _FLAGS.items()}
 
@@ -81,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         options.setdefault("metavar", "VALUE")
         parser.add_argument(flag, dest=key, default=argparse.SUPPRESS, **options)
     parser.add_argument(
-        "--policy-arg", dest="policy_args", action="append", default=[], metavar="KEY=VALUE",
+        "--policy-arg",
+        dest="policy_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="extra policy parameter (repeatable); VALUE is read as YAML (number, bool, str)",
     )
     return parser

@@ -63,8 +63,9 @@ class Admission:
             return
         if len(self._waiters) >= self._queue_size:
             self.rejected[REJECT_QUEUE_FULL] += 1
-            raise GatewayError(429, "too many requests: the gateway's queue is full",
-                               retry_after=1.0)
+            raise GatewayError(
+                429, "too many requests: the gateway's queue is full", retry_after=1.0
+            )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -79,7 +80,8 @@ class Admission:
             if isinstance(exc, TimeoutError):
                 self.rejected[REJECT_QUEUE_TIMEOUT] += 1
                 raise GatewayError(
-                    503, "the gateway is at capacity: timed out waiting in its queue",
+                    503,
+                    "the gateway is at capacity: timed out waiting in its queue",
                     retry_after=max(1.0, self._timeout / 10),
                 ) from None
             raise

@@ -60,13 +60,18 @@ def make_policy(cfg: PolicyConfig) -> Policy:
         raise ConfigError(f"policy.params: {exc}") from None
 
 
-def build_app(config: GatewayConfig, *, clock: Callable[[], float] = time.monotonic,
-              rng: random.Random | None = None) -> web.Application:
+def build_app(
+    config: GatewayConfig,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+) -> web.Application:
     telemetry = make_telemetry(config)
     # The server's middleware first: it sets the request id telemetry reads.
-    app = web.Application(client_max_size=config.server.max_payload_size,
-                          middlewares=[server.make_middleware(config),
-                                       telemetry_middleware(telemetry)])
+    app = web.Application(
+        client_max_size=config.server.max_payload_size,
+        middlewares=[server.make_middleware(config), telemetry_middleware(telemetry)],
+    )
     registry = WorkerRegistry(config.outlier.panic_threshold, clock)
     for url in config.workers:
         registry.add(validate_worker_url(url))
@@ -74,9 +79,11 @@ def build_app(config: GatewayConfig, *, clock: Callable[[], float] = time.monoto
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry
     app[keys.SETTINGS] = RequestSettings(
-        chars_per_token=req.chars_per_token, block_chars=req.block_chars,
+        chars_per_token=req.chars_per_token,
+        block_chars=req.block_chars,
         routing_key_headers=tuple(h.lower() for h in req.routing_key_headers),
-        routing_key_from_user=req.routing_key_from_user)
+        routing_key_from_user=req.routing_key_from_user,
+    )
     app[keys.ADMISSION] = Admission(config.admission)
     app[keys.DECISIONS] = DecisionLog(config.decisions.ring_size)
     app[keys.TASKS] = TaskSet()
@@ -91,41 +98,51 @@ def build_app(config: GatewayConfig, *, clock: Callable[[], float] = time.monoto
 
 def make_telemetry(config: GatewayConfig) -> Telemetry:
     t = config.telemetry
-    return Telemetry(TelemetryConfig(
-        metrics=t.metrics,
-        tracing=TracingConfig(exporter=t.tracing_exporter,  # type: ignore[arg-type]
-                              sampling_ratio=t.tracing_sampling_ratio,
-                              service_name=t.tracing_service_name,
-                              otlp_endpoint=t.otlp_endpoint)))
+    return Telemetry(
+        TelemetryConfig(
+            metrics=t.metrics,
+            tracing=TracingConfig(
+                exporter=t.tracing_exporter,  # type: ignore[arg-type]
+                sampling_ratio=t.tracing_sampling_ratio,
+                service_name=t.tracing_service_name,
+                otlp_endpoint=t.otlp_endpoint,
+            ),
+        )
+    )
 
 
 def _session(config: GatewayConfig) -> aiohttp.ClientSession:
     # One session for the app's life, for probes, polls, aborts and model lists (the
     # request path uses the leaner gateway.upstream pool). No global connection cap;
     # per worker, enough kept-alive connections for its concurrency.
-    connector = aiohttp.TCPConnector(limit=0,
-                                     limit_per_host=config.server.connections_per_worker,
-                                     keepalive_timeout=60.0)
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=config.server.connections_per_worker, keepalive_timeout=60.0
+    )
     # auto_decompress off: bodies are relayed byte for byte, encoding header included.
     # No cookie jar: workers set no cookies, and filtering them costs every request.
-    return aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                 cookie_jar=aiohttp.DummyCookieJar(),
-                                 timeout=aiohttp.ClientTimeout(total=None))
+    return aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
 
 
-async def _runtime(app: web.Application, policy: Policy,
-                   rng: random.Random) -> AsyncIterator[None]:
+async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> AsyncIterator[None]:
     config = app[keys.CONFIG]
     registry = app[keys.REGISTRY]
     session = _session(config)
     index = PrefixIndex(
         block_tokens=config.request.block_chars / config.request.chars_per_token,
-        max_blocks_per_worker=max(1, config.prefix_index.max_tree_size
-                                  // config.request.block_chars),
-        clock=registry.clock)
+        max_blocks_per_worker=max(
+            1, config.prefix_index.max_tree_size // config.request.block_chars
+        ),
+        clock=registry.clock,
+    )
     costs = CostModel()
-    pool = UpstreamPool(config.server.connect_timeout_s,
-                        max_idle_per_worker=config.server.connections_per_worker)
+    pool = UpstreamPool(
+        config.server.connect_timeout_s, max_idle_per_worker=config.server.connections_per_worker
+    )
     health = HealthChecker(config.health, registry, session)
     load = LoadPoller(config.load, registry, session, config.health.timeout_s)
     outlier = OutlierDetector(config.outlier, registry, registry.clock)
@@ -141,8 +158,9 @@ async def _runtime(app: web.Application, policy: Policy,
         pool.forget(worker.url)
 
     telemetry = app[keys.TELEMETRY]
-    telemetry.use_snapshot(RegistrySnapshot(registry, index=index,
-                                            admission=app[keys.ADMISSION], policy=policy.name))
+    telemetry.use_snapshot(
+        RegistrySnapshot(registry, index=index, admission=app[keys.ADMISSION], policy=policy.name)
+    )
     outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
     registry.on_removed(lambda w: telemetry.forget_worker(w.id))
     health.on_metadata.append(set_capacity)
@@ -151,17 +169,31 @@ async def _runtime(app: web.Application, policy: Policy,
     app[keys.SESSION] = session
     app[keys.HEALTH] = health
     app[keys.ROUTER] = Router(
-        config=config, registry=registry, policy=policy, index=index, costs=costs,
-        outlier=outlier, session=session, pool=pool, decisions=app[keys.DECISIONS],
-        spawn=app[keys.TASKS].spawn, rng=rng, hooks=TelemetryHooks(telemetry))
+        config=config,
+        registry=registry,
+        policy=policy,
+        index=index,
+        costs=costs,
+        outlier=outlier,
+        session=session,
+        pool=pool,
+        decisions=app[keys.DECISIONS],
+        spawn=app[keys.TASKS].spawn,
+        rng=rng,
+        hooks=TelemetryHooks(telemetry),
+    )
     loops = TaskSet()
     loops.spawn(health.run(), "health")
     if config.load.poll_interval_s > 0:
         loops.spawn(load.run(), "load")
     loops.spawn(_every(OUTLIER_SWEEP_S, outlier.sweep), "outlier")
-    loops.spawn(_every(config.prefix_index.eviction_interval_s,
-                       lambda: index.evict_idle(registry.clock(),
-                                                config.prefix_index.max_idle_s)), "index")
+    loops.spawn(
+        _every(
+            config.prefix_index.eviction_interval_s,
+            lambda: index.evict_idle(registry.clock(), config.prefix_index.max_idle_s),
+        ),
+        "index",
+    )
     try:
         yield
     finally:

@@ -276,10 +276,18 @@ def validate(cfg: GatewayConfig) -> None:
     _check(1 <= s.port <= 65535, "server.port", "must be in 1..65535", s.port)
     _check(bool(s.host), "server.host", "must not be empty", s.host)
     _check(s.max_payload_size > 0, "server.max_payload_size", "must be > 0", s.max_payload_size)
-    _check(s.log_level.lower() in LOG_LEVELS, "server.log_level",
-           f"must be one of {', '.join(LOG_LEVELS)}", s.log_level)
-    _check(len(s.request_id_headers) > 0, "server.request_id_headers", "must not be empty",
-           s.request_id_headers)
+    _check(
+        s.log_level.lower() in LOG_LEVELS,
+        "server.log_level",
+        f"must be one of {', '.join(LOG_LEVELS)}",
+        s.log_level,
+    )
+    _check(
+        len(s.request_id_headers) > 0,
+        "server.request_id_headers",
+        "must not be empty",
+        s.request_id_headers,
+    )
     for key, value in (
         ("server.request_timeout_s", s.request_timeout_s),
         ("server.connect_timeout_s", s.connect_timeout_s),
@@ -294,8 +302,12 @@ def validate(cfg: GatewayConfig) -> None:
         ("admission.queue_timeout_s", cfg.admission.queue_timeout_s),
     ):
         _check(value > 0, key, "must be > 0", value)
-    _check(s.connections_per_worker >= 1, "server.connections_per_worker", "must be ≥ 1",
-           s.connections_per_worker)
+    _check(
+        s.connections_per_worker >= 1,
+        "server.connections_per_worker",
+        "must be ≥ 1",
+        s.connections_per_worker,
+    )
     if s.api_key is not None:
         _check(bool(s.api_key), "server.api_key", "must not be empty when set", s.api_key)
     for i, url in enumerate(cfg.workers):
@@ -306,30 +318,49 @@ def validate(cfg: GatewayConfig) -> None:
     _validate_policy(cfg.policy)
     h = cfg.health
     _check(h.endpoint.startswith("/"), "health.endpoint", "must start with '/'", h.endpoint)
-    _check(h.failure_threshold >= 1, "health.failure_threshold", "must be ≥ 1",
-           h.failure_threshold)
-    _check(h.success_threshold >= 1, "health.success_threshold", "must be ≥ 1",
-           h.success_threshold)
-    _check(cfg.load.poll_interval_s >= 0, "load.poll_interval_s", "must be ≥ 0 (0 disables)",
-           cfg.load.poll_interval_s)
-    _check(cfg.prefix_index.max_tree_size > 0, "prefix_index.max_tree_size", "must be > 0",
-           cfg.prefix_index.max_tree_size)
-    _check(cfg.request.block_chars >= 1, "request.block_chars", "must be ≥ 1",
-           cfg.request.block_chars)
+    _check(h.failure_threshold >= 1, "health.failure_threshold", "must be ≥ 1", h.failure_threshold)
+    _check(h.success_threshold >= 1, "health.success_threshold", "must be ≥ 1", h.success_threshold)
+    _check(
+        cfg.load.poll_interval_s >= 0,
+        "load.poll_interval_s",
+        "must be ≥ 0 (0 disables)",
+        cfg.load.poll_interval_s,
+    )
+    _check(
+        cfg.prefix_index.max_tree_size > 0,
+        "prefix_index.max_tree_size",
+        "must be > 0",
+        cfg.prefix_index.max_tree_size,
+    )
+    _check(
+        cfg.request.block_chars >= 1, "request.block_chars", "must be ≥ 1", cfg.request.block_chars
+    )
     _validate_outlier(cfg.outlier)
-    _check(cfg.retry.max_retries >= 0, "retry.max_retries", "must be ≥ 0",
-           cfg.retry.max_retries)
+    _check(cfg.retry.max_retries >= 0, "retry.max_retries", "must be ≥ 0", cfg.retry.max_retries)
     a = cfg.admission
-    _check(a.max_concurrent_requests >= -1, "admission.max_concurrent_requests",
-           "must be ≥ 0 (0 or -1: unlimited)", a.max_concurrent_requests)
+    _check(
+        a.max_concurrent_requests >= -1,
+        "admission.max_concurrent_requests",
+        "must be ≥ 0 (0 or -1: unlimited)",
+        a.max_concurrent_requests,
+    )
     _check(a.queue_size >= 0, "admission.queue_size", "must be ≥ 0", a.queue_size)
     t = cfg.telemetry
-    _check(t.tracing_exporter in ("none", "console", "otlp"), "telemetry.tracing_exporter",
-           "must be one of none, console, otlp", t.tracing_exporter)
-    _check(0.0 <= t.tracing_sampling_ratio <= 1.0, "telemetry.tracing_sampling_ratio",
-           "must be in 0..1", t.tracing_sampling_ratio)
-    _check(cfg.decisions.ring_size >= 1, "decisions.ring_size", "must be ≥ 1",
-           cfg.decisions.ring_size)
+    _check(
+        t.tracing_exporter in ("none", "console", "otlp"),
+        "telemetry.tracing_exporter",
+        "must be one of none, console, otlp",
+        t.tracing_exporter,
+    )
+    _check(
+        0.0 <= t.tracing_sampling_ratio <= 1.0,
+        "telemetry.tracing_sampling_ratio",
+        "must be in 0..1",
+        t.tracing_sampling_ratio,
+    )
+    _check(
+        cfg.decisions.ring_size >= 1, "decisions.ring_size", "must be ≥ 1", cfg.decisions.ring_size
+    )
 
 
 def _validate_policy(p: PolicyConfig) -> None:
@@ -337,26 +368,55 @@ def _validate_policy(p: PolicyConfig) -> None:
     from policies.registry import policy_names
 
     names = policy_names()
-    _check(p.name in names, "policy.name", f"unknown policy; choose one of {', '.join(names)}",
-           p.name)
-    _check(0.0 <= p.cache_threshold <= 1.0, "policy.cache_threshold", "must be in 0..1",
-           p.cache_threshold)
-    _check(p.balance_abs_threshold >= 0, "policy.balance_abs_threshold", "must be ≥ 0",
-           p.balance_abs_threshold)
-    _check(p.balance_rel_threshold >= 1.0, "policy.balance_rel_threshold", "must be ≥ 1",
-           p.balance_rel_threshold)
+    _check(
+        p.name in names, "policy.name", f"unknown policy; choose one of {', '.join(names)}", p.name
+    )
+    _check(
+        0.0 <= p.cache_threshold <= 1.0,
+        "policy.cache_threshold",
+        "must be in 0..1",
+        p.cache_threshold,
+    )
+    _check(
+        p.balance_abs_threshold >= 0,
+        "policy.balance_abs_threshold",
+        "must be ≥ 0",
+        p.balance_abs_threshold,
+    )
+    _check(
+        p.balance_rel_threshold >= 1.0,
+        "policy.balance_rel_threshold",
+        "must be ≥ 1",
+        p.balance_rel_threshold,
+    )
 
 
 def _validate_outlier(o: OutlierConfig) -> None:
-    _check(o.consecutive_connect_errors >= 1, "outlier.consecutive_connect_errors",
-           "must be ≥ 1", o.consecutive_connect_errors)
+    _check(
+        o.consecutive_connect_errors >= 1,
+        "outlier.consecutive_connect_errors",
+        "must be ≥ 1",
+        o.consecutive_connect_errors,
+    )
     _check(o.consecutive_5xx >= 1, "outlier.consecutive_5xx", "must be ≥ 1", o.consecutive_5xx)
-    _check(o.max_ejection_s >= o.base_ejection_s, "outlier.max_ejection_s",
-           "must be ≥ outlier.base_ejection_s", o.max_ejection_s)
-    _check(0.0 <= o.max_ejected_share <= 1.0, "outlier.max_ejected_share", "must be in 0..1",
-           o.max_ejected_share)
-    _check(0.0 <= o.panic_threshold <= 1.0, "outlier.panic_threshold", "must be in 0..1",
-           o.panic_threshold)
+    _check(
+        o.max_ejection_s >= o.base_ejection_s,
+        "outlier.max_ejection_s",
+        "must be ≥ outlier.base_ejection_s",
+        o.max_ejection_s,
+    )
+    _check(
+        0.0 <= o.max_ejected_share <= 1.0,
+        "outlier.max_ejected_share",
+        "must be in 0..1",
+        o.max_ejected_share,
+    )
+    _check(
+        0.0 <= o.panic_threshold <= 1.0,
+        "outlier.panic_threshold",
+        "must be in 0..1",
+        o.panic_threshold,
+    )
 
 
 def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:

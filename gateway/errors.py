@@ -50,8 +50,9 @@ class GatewayError(Exception):
         self.retry_after = retry_after
 
 
-def error_body(status: int, message: str, err_type: str | None = None,
-               param: str | None = None) -> bytes:
+def error_body(
+    status: int, message: str, err_type: str | None = None, param: str | None = None
+) -> bytes:
     return orjson.dumps(
         {
             "error": {

@@ -47,8 +47,9 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
 
 
 class HealthChecker:
-    def __init__(self, config: HealthConfig, registry: WorkerRegistry,
-                 session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, config: HealthConfig, registry: WorkerRegistry, session: aiohttp.ClientSession
+    ) -> None:
         self._config = config
         self._registry = registry
         self._session = session
@@ -73,8 +74,9 @@ class HealthChecker:
 
     async def _probe(self, worker: Worker) -> bool:
         try:
-            async with self._session.get(worker.url + self._config.endpoint,
-                                         timeout=self._timeout) as resp:
+            async with self._session.get(
+                worker.url + self._config.endpoint, timeout=self._timeout
+            ) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
@@ -89,15 +91,19 @@ class HealthChecker:
             if HealthFlag.UNCHECKED in worker.flags:
                 worker.flags.discard(HealthFlag.UNCHECKED)
                 self._flipped(worker, True)
-            if (HealthFlag.CHECK_FAILED in worker.flags
-                    and worker.health_successes >= cfg.success_threshold):
+            if (
+                HealthFlag.CHECK_FAILED in worker.flags
+                and worker.health_successes >= cfg.success_threshold
+            ):
                 worker.flags.discard(HealthFlag.CHECK_FAILED)
                 self._flipped(worker, True)
         else:
             worker.health_successes = 0
             worker.health_failures += 1
-            if (HealthFlag.CHECK_FAILED not in worker.flags
-                    and worker.health_failures >= cfg.failure_threshold):
+            if (
+                HealthFlag.CHECK_FAILED not in worker.flags
+                and worker.health_failures >= cfg.failure_threshold
+            ):
                 worker.flags.add(HealthFlag.CHECK_FAILED)
                 self._flipped(worker, False)
 
@@ -105,15 +111,17 @@ class HealthChecker:
         if passing:
             log.info("worker %s passes its health check", worker.url)
         else:
-            log.warning("worker %s failed %d health checks in a row", worker.url,
-                        worker.health_failures)
+            log.warning(
+                "worker %s failed %d health checks in a row", worker.url, worker.health_failures
+            )
         for hook in self.on_flip:
             hook(worker, passing)
 
     async def refresh_metadata(self, worker: Worker) -> None:
         for path in _INFO_PATHS:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError,
-                                     orjson.JSONDecodeError):
+            with contextlib.suppress(
+                aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError
+            ):
                 async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
                     if resp.status != 200:
                         continue

@@ -36,8 +36,11 @@ def parse_v1_loads(body: Any) -> tuple[EngineLoad, int | None] | None:
     if not isinstance(loads, list) or not loads:
         return None
     entries = [e for e in loads if isinstance(e, dict)]
-    uncached = [e["num_waiting_uncached_tokens"] for e in entries
-                if isinstance(e.get("num_waiting_uncached_tokens"), int)]
+    uncached = [
+        e["num_waiting_uncached_tokens"]
+        for e in entries
+        if isinstance(e.get("num_waiting_uncached_tokens"), int)
+    ]
     capacity = sum(int(_num(e, "max_total_num_tokens")) for e in entries)
     load = EngineLoad(
         running_requests=int(sum(_num(e, "num_running_reqs") for e in entries)),
@@ -86,13 +89,19 @@ def parse_metrics(text: str) -> EngineLoad | None:
             usage = max(usage, value)
     if not seen:
         return None
-    return EngineLoad(running_requests=int(running), waiting_requests=int(waiting),
-                      token_usage=usage)
+    return EngineLoad(
+        running_requests=int(running), waiting_requests=int(waiting), token_usage=usage
+    )
 
 
 class LoadPoller:
-    def __init__(self, config: LoadConfig, registry: WorkerRegistry,
-                 session: aiohttp.ClientSession, timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: LoadConfig,
+        registry: WorkerRegistry,
+        session: aiohttp.ClientSession,
+        timeout_s: float,
+    ) -> None:
         self._config = config
         self._registry = registry
         self._session = session

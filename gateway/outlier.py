@@ -28,8 +28,9 @@ OUTCOME_5XX = "5xx"
 
 
 class OutlierDetector:
-    def __init__(self, config: OutlierConfig, registry: WorkerRegistry,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, config: OutlierConfig, registry: WorkerRegistry, clock: Callable[[], float]
+    ) -> None:
         self._config = config
         self._registry = registry
         self._clock = clock
@@ -69,8 +70,9 @@ class OutlierDetector:
         worker.flags.add(HealthFlag.EJECTED)
         worker.consecutive_connect_errors = 0
         worker.consecutive_5xx = 0
-        log.warning("worker %s ejected for %.0f s (ejection %d)", worker.url, duration,
-                    worker.times_ejected)
+        log.warning(
+            "worker %s ejected for %.0f s (ejection %d)", worker.url, duration, worker.times_ejected
+        )
         for hook in self.on_eject:
             hook(worker)
 

@@ -40,8 +40,17 @@ from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 # Never forwarded in either direction (RFC 9110 §7.6.1), plus lengths aiohttp recomputes.
 HOP_BY_HOP = frozenset(
     {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
         "expect",  # the gateway already read the body: no 100-continue dance upstream
     }
 )
@@ -56,8 +65,14 @@ _EVENT_END = b"\n\n"
 class AttemptFailed(Exception):
     """One attempt failed before any byte reached the client."""
 
-    def __init__(self, kind: str, message: str, status: int = 0, body: bytes = b"",
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        status: int = 0,
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind  # "connect" | "timeout" | "status" | "dropped"
         self.message = message
@@ -77,12 +92,12 @@ class Outcome:
     client_gone: bool = False
 
 
-def upstream_headers(headers: CIMultiDictProxy[str], request_id: str,
-                     extra: Mapping[str, str]) -> list[tuple[str, str]]:
+def upstream_headers(
+    headers: CIMultiDictProxy[str], request_id: str, extra: Mapping[str, str]
+) -> list[tuple[str, str]]:
     """The client's headers minus hop-by-hop ones, with the request id, a JSON content
     type (and ``extra``) set."""
-    out = [(key, value) for key, value in headers.items()
-           if key.lower() not in _REPLACED]
+    out = [(key, value) for key, value in headers.items() if key.lower() not in _REPLACED]
     out.append(("x-request-id", request_id))
     # The body parsed as JSON, and SGLang refuses any other type: curl's -d default
     # (form-urlencoded) must not turn a valid request into a worker's 400.
@@ -91,8 +106,14 @@ def upstream_headers(headers: CIMultiDictProxy[str], request_id: str,
     return out
 
 
-async def send(pool: UpstreamPool, url: str, path: str, body: bytes,
-               headers: list[tuple[str, str]], deadline: float) -> UpstreamResponse:
+async def send(
+    pool: UpstreamPool,
+    url: str,
+    path: str,
+    body: bytes,
+    headers: list[tuple[str, str]],
+    deadline: float,
+) -> UpstreamResponse:
     try:
         return await pool.request(url, path, headers, body, deadline)
     except UpstreamError as exc:
@@ -107,8 +128,7 @@ def cached_tokens(data: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
-def _response_headers(upstream: UpstreamResponse,
-                      extra: Mapping[str, str]) -> CIMultiDict[str]:
+def _response_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in upstream.headers:
         if key.lower() not in _NOT_RELAYED:
@@ -117,22 +137,31 @@ def _response_headers(upstream: UpstreamResponse,
     return out
 
 
-async def relay(request: web.Request, upstream: UpstreamResponse, *, stream: bool,
-                final: bool, extra_headers: Mapping[str, str], started: float,
-                on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, Outcome]:
+async def relay(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    *,
+    stream: bool,
+    final: bool,
+    extra_headers: Mapping[str, str],
+    started: float,
+    on_first_byte: Callable[[], None],
+) -> tuple[web.StreamResponse, Outcome]:
     """Relay ``upstream`` to the client (see the module contract)."""
     status = upstream.status
     if (status >= 500 or status == 429) and not final:
         body = await _read_body(upstream)
-        raise AttemptFailed("status", f"the worker answered {status}", status, body,
-                            dict(upstream.headers))
+        raise AttemptFailed(
+            "status", f"the worker answered {status}", status, body, dict(upstream.headers)
+        )
     ctype = upstream.header("content-type") or ""
     if stream and status == 200 and ctype.startswith("text/event-stream"):
         return await _relay_sse(request, upstream, extra_headers, started, on_first_byte)
     body = await _read_body(upstream)
     on_first_byte()
-    response = web.Response(status=status, body=body,
-                            headers=_response_headers(upstream, extra_headers))
+    response = web.Response(
+        status=status, body=body, headers=_response_headers(upstream, extra_headers)
+    )
     return response, Outcome(status=status, cached_tokens=cached_tokens(body))
 
 
@@ -157,9 +186,13 @@ async def _first_chunk(upstream: UpstreamResponse) -> bytes:
     return chunk
 
 
-async def _relay_sse(request: web.Request, upstream: UpstreamResponse,
-                     extra_headers: Mapping[str, str], started: float,
-                     on_first_byte: Callable[[], None]) -> tuple[web.StreamResponse, Outcome]:
+async def _relay_sse(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    extra_headers: Mapping[str, str],
+    started: float,
+    on_first_byte: Callable[[], None],
+) -> tuple[web.StreamResponse, Outcome]:
     chunk = await _first_chunk(upstream)
     outcome = Outcome(status=200, ttft_s=time.perf_counter() - started)
     on_first_byte()
@@ -190,8 +223,11 @@ async def _relay_sse(request: web.Request, upstream: UpstreamResponse,
         if writing:
             raise ClientGone(response) from exc
         outcome.failed_mid_stream = True
-        code, message = (504, "the worker timed out mid-stream") if isinstance(
-            exc, TimeoutError) else (502, "the worker failed mid-stream")
+        code, message = (
+            (504, "the worker timed out mid-stream")
+            if isinstance(exc, TimeoutError)
+            else (502, "the worker failed mid-stream")
+        )
         await _client_write(response, response.write(stream_error_event(code, message)))
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
     await _client_write(response, response.write_eof())
@@ -216,8 +252,11 @@ async def _client_write(response: web.StreamResponse, write: Awaitable[object]) 
 async def abort(session: aiohttp.ClientSession, url: str, rid: str, timeout_s: float) -> None:
     """Ask the worker to stop ``rid`` (fire and forget: errors are ignored)."""
     try:
-        async with session.post(url + "/abort_request", json={"rid": rid},
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            url + "/abort_request",
+            json={"rid": rid},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
             await resp.read()
     except (aiohttp.ClientError, TimeoutError, OSError, asyncio.CancelledError):
         pass

@@ -112,8 +112,9 @@ class Worker:
     def draining(self) -> bool:
         return HealthFlag.DRAINING in self.flags
 
-    def view(self, now: float, matched_tokens: int = 0,
-             cost: WorkerCost | None = None) -> WorkerView:
+    def view(
+        self, now: float, matched_tokens: int = 0, cost: WorkerCost | None = None
+    ) -> WorkerView:
         """The policy's picture of this worker at ``now``."""
         load = self.engine_load
         if load is not None:
@@ -154,8 +155,11 @@ class Worker:
             "page_size": self.metadata.page_size,
             "times_ejected": self.times_ejected,
             "ejected_for_s": max(0.0, self.ejected_until - now)
-            if HealthFlag.EJECTED in self.flags else 0.0,
-            "engine_load": None if load is None else {
+            if HealthFlag.EJECTED in self.flags
+            else 0.0,
+            "engine_load": None
+            if load is None
+            else {
                 "running_requests": load.running_requests,
                 "waiting_requests": load.waiting_requests,
                 "waiting_uncached_tokens": load.waiting_uncached_tokens,
@@ -168,8 +172,7 @@ class Worker:
 class WorkerRegistry:
     """The set of workers, keyed by id; builds the candidate list for each request."""
 
-    def __init__(self, panic_threshold: float, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+    def __init__(self, panic_threshold: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._workers: dict[str, Worker] = {}
         self._panic_threshold = panic_threshold
         self._removed_listeners: list[Callable[[Worker], None]] = []

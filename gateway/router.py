@@ -59,23 +59,30 @@ class PrefixMatcher(Protocol):
 
     def match(self, block_hashes: Sequence[int]) -> Mapping[str, int]: ...
     def record(self, block_hashes: Sequence[int], worker_id: str) -> None: ...
-    def correct(self, worker_id: str, block_hashes: Sequence[int], predicted_blocks: int,
-                reported_tokens: int) -> Any: ...
+    def correct(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[int],
+        predicted_blocks: int,
+        reported_tokens: int,
+    ) -> Any: ...
 
 
 class CostSource(Protocol):
     """What the router needs of the cost model (``gateway.cost_model.CostModel``)."""
 
-    def observe(self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int,
-                ttft_s: float) -> Any: ...
+    def observe(
+        self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int, ttft_s: float
+    ) -> Any: ...
     def cost(self, worker_id: str) -> WorkerCost: ...
 
 
 class NoCosts:
     """A cost source that knows nothing: policies fall back to their defaults."""
 
-    def observe(self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int,
-                ttft_s: float) -> None:
+    def observe(
+        self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int, ttft_s: float
+    ) -> None:
         return None
 
     def cost(self, worker_id: str) -> WorkerCost:
@@ -95,8 +102,14 @@ class RouterHooks:
     def attempt_failed(self, worker: Worker, kind: str, status: int) -> None:
         """An attempt failed before any byte reached the client; a retry may follow."""
 
-    def finished(self, kind: ApiKind, worker: Worker | None, status: int,
-                 record: DecisionRecord | None, duration_s: float) -> None:
+    def finished(
+        self,
+        kind: ApiKind,
+        worker: Worker | None,
+        status: int,
+        record: DecisionRecord | None,
+        duration_s: float,
+    ) -> None:
         """The request is over (``worker`` is None when none was tried)."""
 
     def upstream_headers(self) -> Mapping[str, str]:
@@ -138,8 +151,9 @@ class Router:
 
     # --- phases -------------------------------------------------------------------
 
-    def _views(self, req: RouteRequest, workers: Sequence[Worker]
-               ) -> tuple[list[WorkerView], Mapping[str, int]]:
+    def _views(
+        self, req: RouteRequest, workers: Sequence[Worker]
+    ) -> tuple[list[WorkerView], Mapping[str, int]]:
         """Candidates as the policy sees them, with this request's matched tokens; and the
         matched blocks per worker id."""
         now = self.registry.clock()
@@ -158,8 +172,13 @@ class Router:
             return Decision(least_loaded(views, self._rng).id, "load")
         if len(views) == 1 and not self.policy.uses_prefix_match:
             return Decision(views[0].id, "only_candidate")
-        ctx = RouteContext(prompt_tokens=req.prompt_tokens, candidates=views, rng=self._rng,
-                           routing_key=req.routing_key, prompt_chars=req.prompt_chars)
+        ctx = RouteContext(
+            prompt_tokens=req.prompt_tokens,
+            candidates=views,
+            rng=self._rng,
+            routing_key=req.routing_key,
+            prompt_chars=req.prompt_chars,
+        )
         return self.policy.select(ctx)
 
     def _dispatch(self, req: RouteRequest, worker: Worker, record: DecisionRecord) -> Lease:
@@ -167,21 +186,30 @@ class Router:
             self._index.record(req.block_hashes, worker.id)  # at dispatch: siblings co-locate
         return Lease(worker, max(0, req.prompt_tokens - record.matched_tokens))
 
-    def _feedback(self, req: RouteRequest, worker: Worker, lease: Lease, predicted_blocks: int,
-                  record: DecisionRecord, outcome: proxy.Outcome) -> None:
+    def _feedback(
+        self,
+        req: RouteRequest,
+        worker: Worker,
+        lease: Lease,
+        predicted_blocks: int,
+        record: DecisionRecord,
+        outcome: proxy.Outcome,
+    ) -> None:
         self._outlier.record(worker, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS)
         reported = outcome.cached_tokens
         if reported is not None and req.block_hashes and self.policy.uses_prefix_match:
             self._index.correct(worker.id, req.block_hashes, predicted_blocks, reported)
         if outcome.ttft_s is not None and outcome.status == 200:
-            uncached = req.prompt_tokens - (reported if reported is not None
-                                            else record.matched_tokens)
+            uncached = req.prompt_tokens - (
+                reported if reported is not None else record.matched_tokens
+            )
             self._costs.observe(worker.id, max(0, uncached), lease.queued_ahead, outcome.ttft_s)
 
     # --- the request --------------------------------------------------------------
 
-    async def handle(self, request: web.Request, req: RouteRequest,
-                     request_id: str) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, req: RouteRequest, request_id: str
+    ) -> web.StreamResponse:
         """Route, forward and relay one parsed request; raises GatewayError on failure."""
         started = time.perf_counter()
         excluded: list[str] = []
@@ -198,15 +226,28 @@ class Router:
                 decision = self._select(req, views)
                 worker = self.registry.get(decision.worker_id) or workers[0]
                 record = DecisionRecord.from_decision(
-                    request_id=request_id, policy=self.policy.name, decision=decision,
-                    candidates=views, prompt_tokens=req.prompt_tokens, model=req.model)
+                    request_id=request_id,
+                    policy=self.policy.name,
+                    decision=decision,
+                    candidates=views,
+                    prompt_tokens=req.prompt_tokens,
+                    model=req.model,
+                )
                 self.decisions.add(record)
                 self.hooks.decided(record)
                 final = attempt == self._max_attempts - 1 or len(workers) == 1
                 try:
-                    response = await self._attempt(request, req, worker, record, request_id,
-                                                   final, started, attempt,
-                                                   matches.get(worker.id, 0))
+                    response = await self._attempt(
+                        request,
+                        req,
+                        worker,
+                        record,
+                        request_id,
+                        final,
+                        started,
+                        attempt,
+                        matches.get(worker.id, 0),
+                    )
                 except proxy.AttemptFailed as exc:
                     failure = exc
                     excluded.append(worker.id)
@@ -218,27 +259,46 @@ class Router:
                 return response
             status, error = _final_error(failure, request_id)
             if isinstance(error, web.Response):
-                log.warning("request %s: workers failed; relaying the last answer, %d",
-                            request_id, status)
+                log.warning(
+                    "request %s: workers failed; relaying the last answer, %d", request_id, status
+                )
                 return error
             raise error
         finally:
             self.hooks.finished(req.kind, worker, status, record, time.perf_counter() - started)
 
-    async def _attempt(self, request: web.Request, req: RouteRequest, worker: Worker,
-                       record: DecisionRecord, request_id: str, final: bool, started: float,
-                       attempt: int, predicted_blocks: int) -> web.StreamResponse:
+    async def _attempt(
+        self,
+        request: web.Request,
+        req: RouteRequest,
+        worker: Worker,
+        record: DecisionRecord,
+        request_id: str,
+        final: bool,
+        started: float,
+        attempt: int,
+        predicted_blocks: int,
+    ) -> web.StreamResponse:
         rid = req.rid or request_id
         lease = self._dispatch(req, worker, record)
         upstream: UpstreamResponse | None = None
-        extra = {"x-request-id": request_id, "x-gateway-worker": worker.url,
-                 "x-gateway-matched-tokens": str(record.matched_tokens)}
+        extra = {
+            "x-request-id": request_id,
+            "x-gateway-worker": worker.url,
+            "x-gateway-matched-tokens": str(record.matched_tokens),
+        }
         sent_at = time.perf_counter()  # TTFT counts from dispatch, not from the head
         try:
             upstream = await self._send(req, worker, rid, request)
             response, outcome = await proxy.relay(
-                request, upstream, stream=req.stream, final=final, extra_headers=extra,
-                started=sent_at, on_first_byte=lease.first_token)
+                request,
+                upstream,
+                stream=req.stream,
+                final=final,
+                extra_headers=extra,
+                started=sent_at,
+                on_first_byte=lease.first_token,
+            )
         except proxy.AttemptFailed as exc:
             self._attempt_failed(worker, rid, exc, upstream)
             raise
@@ -251,23 +311,29 @@ class Router:
                 upstream.release()
         self._feedback(req, worker, lease, predicted_blocks, record, outcome)
         record.outcome = DecisionOutcome(
-            status=outcome.status, ttft_s=outcome.ttft_s,
-            reported_cached_tokens=outcome.cached_tokens, retries=attempt,
-            duration_s=time.perf_counter() - started)
+            status=outcome.status,
+            ttft_s=outcome.ttft_s,
+            reported_cached_tokens=outcome.cached_tokens,
+            retries=attempt,
+            duration_s=time.perf_counter() - started,
+        )
         if outcome.failed_mid_stream:
             self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
             log.warning("request %s: worker %s failed mid-stream", request_id, worker.url)
         return response
 
-    async def _send(self, req: RouteRequest, worker: Worker, rid: str,
-                    request: web.Request) -> UpstreamResponse:
+    async def _send(
+        self, req: RouteRequest, worker: Worker, rid: str, request: web.Request
+    ) -> UpstreamResponse:
         headers = proxy.upstream_headers(request.headers, rid, self.hooks.upstream_headers())
         deadline = asyncio.get_running_loop().time() + self._request_timeout
-        return await proxy.send(self._pool, worker.url, request.raw_path,
-                                req.body_with_rid(rid), headers, deadline)
+        return await proxy.send(
+            self._pool, worker.url, request.raw_path, req.body_with_rid(rid), headers, deadline
+        )
 
-    def _attempt_failed(self, worker: Worker, rid: str, exc: proxy.AttemptFailed,
-                        upstream: UpstreamResponse | None) -> None:
+    def _attempt_failed(
+        self, worker: Worker, rid: str, exc: proxy.AttemptFailed, upstream: UpstreamResponse | None
+    ) -> None:
         if exc.kind == "connect" or exc.kind == "dropped":
             self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
         elif exc.kind == "status" and exc.status >= 500:
@@ -281,17 +347,22 @@ class Router:
         self._spawn(proxy.abort(self._session, worker.url, rid, self._abort_timeout))
 
 
-def _final_error(failure: proxy.AttemptFailed | None,
-                 request_id: str) -> tuple[int, GatewayError | web.Response]:
+def _final_error(
+    failure: proxy.AttemptFailed | None, request_id: str
+) -> tuple[int, GatewayError | web.Response]:
     """The answer once attempts ran out: the worker's own error, else ours."""
     if failure is None:
         return 503, GatewayError(503, _NO_WORKER, retry_after=1.0)
     if failure.kind == "status":
-        headers = {k: v for k, v in failure.headers.items()
-                   if k.lower() not in proxy.HOP_BY_HOP | {"date", "server"}}
+        headers = {
+            k: v
+            for k, v in failure.headers.items()
+            if k.lower() not in proxy.HOP_BY_HOP | {"date", "server"}
+        }
         headers["x-request-id"] = request_id
-        return failure.status, web.Response(status=failure.status, body=failure.body,
-                                            headers=headers)
+        return failure.status, web.Response(
+            status=failure.status, body=failure.body, headers=headers
+        )
     if failure.kind == "timeout":
         return 504, GatewayError(504, "the worker timed out")
     return 502, GatewayError(502, f"no worker could serve the request: {failure.message}")

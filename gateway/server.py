@@ -77,8 +77,9 @@ def make_middleware(config: GatewayConfig) -> Any:
                 raise
             message = _http_message(exc, request)
             _log_error(request_id, request, exc.status, message)
-            return error_response(exc.status, message, headers={"x-request-id": request_id,
-                                                                **_allow(exc)})
+            return error_response(
+                exc.status, message, headers={"x-request-id": request_id, **_allow(exc)}
+            )
 
     return middleware
 
@@ -109,8 +110,9 @@ def _allow(exc: web.HTTPException) -> dict[str, str]:
 
 def _log_error(request_id: str, request: web.Request, status: int, message: str) -> None:
     level = logging.WARNING if status >= 500 else logging.INFO
-    log.log(level, "request %s %s %s: %d %s", request_id, request.method, request.path,
-            status, message)
+    log.log(
+        level, "request %s %s %s: %d %s", request_id, request.method, request.path, status, message
+    )
 
 
 # --- API handlers ---------------------------------------------------------------------
@@ -133,8 +135,9 @@ async def api_handler(request: web.Request) -> web.StreamResponse:
     try:
         req = parse_request(kind, body, request.headers, app[keys.SETTINGS])
     except RequestError as exc:
-        raise GatewayError(exc.status, exc.message, param=exc.param,
-                           err_type=exc.err_type) from None
+        raise GatewayError(
+            exc.status, exc.message, param=exc.param, err_type=exc.err_type
+        ) from None
     admission = app[keys.ADMISSION]
     if not admission.limited:  # the common case: no context manager on the hot path
         return await _route(app, request, req)
@@ -145,8 +148,9 @@ async def api_handler(request: web.Request) -> web.StreamResponse:
         admission.release()
 
 
-async def _route(app: web.Application, request: web.Request,
-                 req: RouteRequest) -> web.StreamResponse:
+async def _route(
+    app: web.Application, request: web.Request, req: RouteRequest
+) -> web.StreamResponse:
     try:
         return await app[keys.ROUTER].handle(request, req, request[REQUEST_ID])
     except ClientGone as gone:
@@ -156,11 +160,18 @@ async def _route(app: web.Application, request: web.Request,
 async def readiness(request: web.Request) -> web.Response:
     registry = request.app[keys.REGISTRY]
     ready = registry.ready()
-    body = {"status": "ok" if ready else "unavailable", "workers": len(registry),
-            "healthy_workers": registry.healthy_count()}
+    body = {
+        "status": "ok" if ready else "unavailable",
+        "workers": len(registry),
+        "healthy_workers": registry.healthy_count(),
+    }
     headers = {} if ready else {"Retry-After": "1"}
-    return web.Response(status=200 if ready else 503, body=orjson.dumps(body),
-                        content_type="application/json", headers=headers)
+    return web.Response(
+        status=200 if ready else 503,
+        body=orjson.dumps(body),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 async def models(request: web.Request) -> web.Response:
@@ -175,14 +186,16 @@ async def models(request: web.Request) -> web.Response:
             found = [{"id": worker.metadata.model, "object": "model", "owned_by": "sglang"}]
         for card in found:
             seen.setdefault(card["id"], card)
-    return web.Response(body=orjson.dumps({"object": "list", "data": list(seen.values())}),
-                        content_type="application/json")
+    return web.Response(
+        body=orjson.dumps({"object": "list", "data": list(seen.values())}),
+        content_type="application/json",
+    )
 
 
-async def _model_cards(session: aiohttp.ClientSession, url: str,
-                       limits: aiohttp.ClientTimeout) -> list[dict[str, Any]]:
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError,
-                             orjson.JSONDecodeError):
+async def _model_cards(
+    session: aiohttp.ClientSession, url: str, limits: aiohttp.ClientTimeout
+) -> list[dict[str, Any]]:
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError):
         async with session.get(url + "/v1/models", timeout=limits) as resp:
             if resp.status == 200:
                 data = orjson.loads(await resp.read()).get("data")
@@ -202,8 +215,7 @@ def add_routes(app: web.Application) -> None:
 # --- serving ----------------------------------------------------------------------------
 
 
-async def start_site(app: web.Application, host: str, port: int
-                     ) -> tuple[web.AppRunner, int]:
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on host:port (0: ephemeral); returns the runner and the bound port."""
     # handler_cancellation: a client that disconnects cancels its handler, so a
     # non-streaming request is aborted on the worker at once, not after the answer.
@@ -221,8 +233,13 @@ async def serve(config: GatewayConfig) -> None:
     from gateway.app import build_app
 
     runner, port = await start_site(build_app(config), config.server.host, config.server.port)
-    log.info("gateway listening on http://%s:%d with policy %s and %d workers",
-             config.server.host, port, config.policy.name, len(config.workers))
+    log.info(
+        "gateway listening on http://%s:%d with policy %s and %d workers",
+        config.server.host,
+        port,
+        config.policy.name,
+        len(config.workers),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -54,10 +54,14 @@ class GatewayHandle:
 
 
 @contextlib.asynccontextmanager
-async def run_gateway(urls: Sequence[str], *, ready_within_s: float = 3.0,
-                      **overrides: Any) -> AsyncIterator[GatewayHandle]:
-    settings = {**TEST_DEFAULTS, "workers": list(urls),
-                **{k.replace("__", "."): v for k, v in overrides.items()}}
+async def run_gateway(
+    urls: Sequence[str], *, ready_within_s: float = 3.0, **overrides: Any
+) -> AsyncIterator[GatewayHandle]:
+    settings = {
+        **TEST_DEFAULTS,
+        "workers": list(urls),
+        **{k.replace("__", "."): v for k, v in overrides.items()},
+    }
     config = config_from_dict(merge({}, settings))
     app = build_app(config)
     runner, port = await start_site(app, "127.0.0.1", 0)
@@ -65,8 +69,10 @@ async def run_gateway(urls: Sequence[str], *, ready_within_s: float = 3.0,
         handle = GatewayHandle(f"http://127.0.0.1:{port}", app, config)
         deadline = asyncio.get_running_loop().time() + ready_within_s
         for _ in range(10_000):  # first probes: one interval at most
-            if (handle.registry.healthy_count() >= len(urls)
-                    or asyncio.get_running_loop().time() >= deadline):
+            if (
+                handle.registry.healthy_count() >= len(urls)
+                or asyncio.get_running_loop().time() >= deadline
+            ):
                 break
             await asyncio.sleep(0.02)
         yield handle

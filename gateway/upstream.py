@@ -56,8 +56,11 @@ class _Conn:
         self.reused = False
 
     def usable(self, now: float, idle_timeout_s: float) -> bool:
-        return (not self.writer.is_closing() and not self.reader.at_eof()
-                and now - self.idle_since < idle_timeout_s)
+        return (
+            not self.writer.is_closing()
+            and not self.reader.at_eof()
+            and now - self.idle_since < idle_timeout_s
+        )
 
     def close(self) -> None:
         self.writer.close()
@@ -79,8 +82,9 @@ class _Target:
 
 
 class UpstreamPool:
-    def __init__(self, connect_timeout_s: float, max_idle_per_worker: int = 256,
-                 idle_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, connect_timeout_s: float, max_idle_per_worker: int = 256, idle_timeout_s: float = 30.0
+    ) -> None:
         self._connect_timeout = connect_timeout_s
         self._max_idle = max_idle_per_worker
         self._idle_timeout = idle_timeout_s
@@ -104,8 +108,14 @@ class UpstreamPool:
         for url in list(self._targets):
             self.forget(url)
 
-    async def request(self, base_url: str, path: str, headers: Iterable[tuple[str, str]],
-                      body: bytes, deadline: float) -> UpstreamResponse:
+    async def request(
+        self,
+        base_url: str,
+        path: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+        deadline: float,
+    ) -> UpstreamResponse:
         target = self._target(base_url)
         head = _request_head(target, path, headers, len(body))
         conn = self._take(target)
@@ -146,7 +156,8 @@ class UpstreamPool:
         try:
             async with asyncio.timeout_at(limit):
                 reader, writer = await asyncio.open_connection(
-                    target.host, target.port, ssl=ssl_ctx, limit=_READ_SIZE)
+                    target.host, target.port, ssl=ssl_ctx, limit=_READ_SIZE
+                )
         except TimeoutError:
             if loop.time() >= deadline:
                 raise
@@ -155,8 +166,9 @@ class UpstreamPool:
             raise UpstreamError("connect", f"the worker is unreachable: {exc}") from None
         return _Conn(reader, writer)
 
-    async def _exchange(self, target: _Target, conn: _Conn, head: bytes, body: bytes,
-                        deadline: float) -> UpstreamResponse:
+    async def _exchange(
+        self, target: _Target, conn: _Conn, head: bytes, body: bytes, deadline: float
+    ) -> UpstreamResponse:
         try:
             conn.writer.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
@@ -171,8 +183,9 @@ class UpstreamPool:
             raise
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             conn.close()
-            raise UpstreamError("connect", f"the worker hung up before answering: {exc!r}"
-                                ) from None
+            raise UpstreamError(
+                "connect", f"the worker hung up before answering: {exc!r}"
+            ) from None
         except asyncio.LimitOverrunError:
             conn.close()
             raise UpstreamError("connect", "the worker's response head is too large") from None
@@ -182,8 +195,9 @@ class UpstreamPool:
         return UpstreamResponse(self, target, conn, raw, deadline)
 
 
-def _request_head(target: _Target, path: str, headers: Iterable[tuple[str, str]],
-                  length: int) -> bytes:
+def _request_head(
+    target: _Target, path: str, headers: Iterable[tuple[str, str]], length: int
+) -> bytes:
     lines = [f"POST {path} HTTP/1.1\r\n".encode("latin-1"), target.host_header]
     for name, value in headers:
         lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
@@ -194,11 +208,26 @@ def _request_head(target: _Target, path: str, headers: Iterable[tuple[str, str]]
 class UpstreamResponse:
     """The worker's answer: status and headers parsed, body read on demand."""
 
-    __slots__ = ("_buf", "_chunk_left", "_conn", "_done", "_expired", "_length", "_mode",
-                 "_pool", "_state", "_target", "_watchdog", "headers", "keep_alive", "status")
+    __slots__ = (
+        "_buf",
+        "_chunk_left",
+        "_conn",
+        "_done",
+        "_expired",
+        "_length",
+        "_mode",
+        "_pool",
+        "_state",
+        "_target",
+        "_watchdog",
+        "headers",
+        "keep_alive",
+        "status",
+    )
 
-    def __init__(self, pool: UpstreamPool, target: _Target, conn: _Conn, raw: bytes,
-                 deadline: float) -> None:
+    def __init__(
+        self, pool: UpstreamPool, target: _Target, conn: _Conn, raw: bytes, deadline: float
+    ) -> None:
         self._pool = pool
         self._target = target
         self._conn: _Conn | None = conn
@@ -227,7 +256,8 @@ class UpstreamResponse:
                 chunked = "chunked" in value.lower()
             elif low == "connection":
                 self.keep_alive = value.lower() != "close" and (
-                    self.keep_alive or value.lower() == "keep-alive")
+                    self.keep_alive or value.lower() == "keep-alive"
+                )
             self.headers.append((name, value))
         self._chunk_left = 0
         self._state = _SIZE
@@ -308,13 +338,17 @@ class UpstreamResponse:
                     self._finish()
                 return data
             return await self._read_chunked(reader)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
-                OSError, ValueError) as exc:
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+            OSError,
+            ValueError,
+        ) as exc:
             self.close()
             if self._expired:
                 raise TimeoutError("the worker's answer outlived the deadline") from None
-            raise UpstreamError("dropped", f"the worker's body was cut short: {exc!r}"
-                                ) from None
+            raise UpstreamError("dropped", f"the worker's body was cut short: {exc!r}") from None
 
     def _expire(self) -> None:
         """The deadline passed: cut the connection; the pending read turns into a timeout.
@@ -360,7 +394,7 @@ class UpstreamResponse:
                         raise ValueError("chunk size line too long")
                     return
                 line = bytes(buf[:end])
-                del buf[:end + 2]
+                del buf[: end + 2]
                 if state == _TRAILER:
                     if not line:
                         self._finish()

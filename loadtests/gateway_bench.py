@@ -66,13 +66,15 @@ class ClientResult:
         return self.requests / self.elapsed_s if self.elapsed_s else 0.0
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool,
-               result: ClientResult) -> None:
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, result: ClientResult
+) -> None:
     start = time.perf_counter()
     ttft = None
     try:
-        async with session.post(url, data=body,
-                                headers={"content-type": "application/json"}) as resp:
+        async with session.post(
+            url, data=body, headers={"content-type": "application/json"}
+        ) as resp:
             if stream:
                 async for _ in resp.content.iter_any():
                     if ttft is None:
@@ -92,16 +94,21 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bo
         result.ttfts_s.append(ttft)
 
 
-async def closed_loop(urls: Sequence[str], stream: bool, concurrency: int, duration_s: float,
-                      max_requests: int) -> ClientResult:
+async def closed_loop(
+    urls: Sequence[str], stream: bool, concurrency: int, duration_s: float, max_requests: int
+) -> ClientResult:
     body = json.dumps({**CHAT_BODY, "stream": stream}).encode()
     result = ClientResult()
     rotation = itertools.cycle(urls)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         # warm-up: open connections and let JITs/caches settle, not counted
-        await asyncio.gather(*(_one(session, next(rotation), body, stream, ClientResult())
-                               for _ in range(concurrency)))
+        await asyncio.gather(
+            *(
+                _one(session, next(rotation), body, stream, ClientResult())
+                for _ in range(concurrency)
+            )
+        )
         deadline = time.perf_counter() + duration_s
         sent = 0
 
@@ -117,23 +124,24 @@ async def closed_loop(urls: Sequence[str], stream: bool, concurrency: int, durat
     return result
 
 
-async def open_loop(urls: Sequence[str], stream: bool, rate: float, duration_s: float
-                    ) -> ClientResult:
+async def open_loop(
+    urls: Sequence[str], stream: bool, rate: float, duration_s: float
+) -> ClientResult:
     body = json.dumps({**CHAT_BODY, "stream": stream}).encode()
     result = ClientResult()
     rotation = itertools.cycle(urls)
     total = int(rate * duration_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await asyncio.gather(*(_one(session, next(rotation), body, stream, ClientResult())
-                               for _ in range(16)))
+        await asyncio.gather(
+            *(_one(session, next(rotation), body, stream, ClientResult()) for _ in range(16))
+        )
         start = time.perf_counter()
         tasks = []
         for i in range(total):
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, next(rotation), body, stream,
-                                                  result)))
+            tasks.append(asyncio.create_task(_one(session, next(rotation), body, stream, result)))
         await asyncio.gather(*tasks)
         result.elapsed_s = time.perf_counter() - start
     return result
@@ -151,8 +159,9 @@ def _client_main(argv: Sequence[str]) -> int:
     if args.rate > 0:
         coro = open_loop(args.url, args.stream, args.rate, args.duration)
     else:
-        coro = closed_loop(args.url, args.stream, args.concurrency, args.duration,
-                           args.max_requests)
+        coro = closed_loop(
+            args.url, args.stream, args.concurrency, args.duration, args.max_requests
+        )
     result = asyncio.run(coro)
     print(json.dumps(asdict(result) | {"rps": result.rps}))
     return 0
@@ -194,8 +203,7 @@ def _consecutive_free(n: int) -> int:
 @contextlib.contextmanager
 def _process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             yield proc
         finally:
@@ -226,8 +234,11 @@ async def _wait_chat(url: str, timeout_s: float) -> bool:
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                async with session.post(url + "/v1/chat/completions", json=CHAT_BODY,
-                                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                async with session.post(
+                    url + "/v1/chat/completions",
+                    json=CHAT_BODY,
+                    timeout=aiohttp.ClientTimeout(total=5),
+                ) as resp:
                     await resp.read()
                     if resp.status == 200:
                         return True
@@ -235,11 +246,28 @@ async def _wait_chat(url: str, timeout_s: float) -> bool:
     return False
 
 
-def _run_client(urls: Sequence[str], *, stream: bool = False, concurrency: int = 32,
-                rate: float = 0.0, duration: float = 8.0) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "loadtests.gateway_bench", "client", "--url", *urls,
-           "--concurrency", str(concurrency), "--duration", str(duration),
-           "--rate", str(rate)]
+def _run_client(
+    urls: Sequence[str],
+    *,
+    stream: bool = False,
+    concurrency: int = 32,
+    rate: float = 0.0,
+    duration: float = 8.0,
+) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtests.gateway_bench",
+        "client",
+        "--url",
+        *urls,
+        "--concurrency",
+        str(concurrency),
+        "--duration",
+        str(duration),
+        "--rate",
+        str(rate),
+    ]
     if stream:
         cmd.append("--stream")
     out = subprocess.run(cmd, check=True, capture_output=True, timeout=duration * 4 + 60)
@@ -267,21 +295,61 @@ class Row:
 
 def _simulator_cmd(base_port: int, workers: int, model_dir: str) -> list[str]:
     # Fast modelled time (x1000) so the gateway's own cost, not generation, dominates.
-    return [sys.executable, "-m", "simulator", "--workers", str(workers),
-            "--base-port", str(base_port), "--model-path", model_dir, "--speed", "1000",
-            "--host", "127.0.0.1"]
+    return [
+        sys.executable,
+        "-m",
+        "simulator",
+        "--workers",
+        str(workers),
+        "--base-port",
+        str(base_port),
+        "--model-path",
+        model_dir,
+        "--speed",
+        "1000",
+        "--host",
+        "127.0.0.1",
+    ]
 
 
 def _gateway_cmd(port: int, urls: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "gateway", "--worker-urls", *urls, "--policy", "round_robin",
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    return [
+        sys.executable,
+        "-m",
+        "gateway",
+        "--worker-urls",
+        *urls,
+        "--policy",
+        "round_robin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
 
 
 def _router_cmd(port: int, urls: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-            "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warn",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_ports(1)[0])]
+    return [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *urls,
+        "--policy",
+        "round_robin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warn",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(_free_ports(1)[0]),
+    ]
 
 
 def _measures(args: argparse.Namespace) -> list[str]:
@@ -294,29 +362,41 @@ def _measure(urls: Sequence[str], measure: str, args: argparse.Namespace) -> dic
     if "@" in measure:
         return _run_client(targets, rate=args.rate, duration=args.duration)
     kind, _, level = measure.partition(" c=")
-    return _run_client(targets, stream=kind == "stream", concurrency=int(level),
-                       duration=args.duration)
+    return _run_client(
+        targets, stream=kind == "stream", concurrency=int(level), duration=args.duration
+    )
 
 
 def _combine(path: str, label: str, runs: Sequence[dict[str, Any]]) -> Row:
     """Rounds of one cell: median requests/s, percentiles over every round's latencies."""
     latencies = [x for run in runs for x in run["latencies_s"]]
-    return Row(path, label, statistics.median(r["rps"] for r in runs),
-               _pct(latencies, 0.5) * 1e3, _pct(latencies, 0.99) * 1e3,
-               sum(r["errors"] for r in runs), sum(r["requests"] for r in runs))
+    return Row(
+        path,
+        label,
+        statistics.median(r["rps"] for r in runs),
+        _pct(latencies, 0.5) * 1e3,
+        _pct(latencies, 0.99) * 1e3,
+        sum(r["errors"] for r in runs),
+        sum(r["requests"] for r in runs),
+    )
 
 
 def _table(rows: Sequence[Row]) -> str:
     direct = {r.measure: r for r in rows if r.path == "direct"}
-    lines = ["| path | measure | requests/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
-             "| errors/requests |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| path | measure | requests/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
+        "| errors/requests |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         d = direct.get(r.measure)
         added50 = r.p50_ms - d.p50_ms if d else float("nan")
         added99 = r.p99_ms - d.p99_ms if d else float("nan")
-        lines.append(f"| {r.path} | {r.measure} | {r.rps:,.0f} | {r.p50_ms:.2f} | "
-                     f"{r.p99_ms:.2f} | {added50:+.2f} | {added99:+.2f} | "
-                     f"{r.errors}/{r.requests} |")
+        lines.append(
+            f"| {r.path} | {r.measure} | {r.rps:,.0f} | {r.p50_ms:.2f} | "
+            f"{r.p99_ms:.2f} | {added50:+.2f} | {added99:+.2f} | "
+            f"{r.errors}/{r.requests} |"
+        )
     return "\n".join(lines)
 
 
@@ -337,11 +417,13 @@ def _orchestrate(args: argparse.Namespace) -> str:
     rows: list[Row] = []
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_process(_simulator_cmd(base, args.workers, model_dir),
-                                     logs / "simulator.log"))
+        stack.enter_context(
+            _process(_simulator_cmd(base, args.workers, model_dir), logs / "simulator.log")
+        )
         stack.enter_context(_process(_gateway_cmd(gw_port, urls), logs / "gateway.log"))
         router_proc = stack.enter_context(
-            _process(_router_cmd(router_port, urls), logs / "router.log"))
+            _process(_router_cmd(router_port, urls), logs / "router.log")
+        )
         ok, router_ok = asyncio.run(_ready(urls, gateway, router))
         if not ok:
             raise SystemExit(f"workers or gateway did not start; logs in {logs}")
@@ -356,10 +438,15 @@ def _orchestrate(args: argparse.Namespace) -> str:
             for measure in _measures(args):
                 for name, target in paths.items():
                     runs.setdefault((name, measure), []).append(_measure(target, measure, args))
-        notes.append("load average (1 min) of the shared machine before / after: "
-                     f"{load_before:.1f} / {os.getloadavg()[0]:.1f}")
-        rows = [_combine(name, measure, runs[(name, measure)])
-                for name in paths for measure in _measures(args)]
+        notes.append(
+            "load average (1 min) of the shared machine before / after: "
+            f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"
+        )
+        rows = [
+            _combine(name, measure, runs[(name, measure)])
+            for name in paths
+            for measure in _measures(args)
+        ]
         if not router_ok:
             tail = (logs / "router.log").read_text(errors="replace")[-600:]
             notes.append(f"sglang-router did not serve (exit {router_proc.poll()}): {tail}")
@@ -372,15 +459,19 @@ def _report(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace)
     for measure in _measures(args)[:-1]:
         ours, theirs = by.get(("this gateway", measure)), by.get(("sglang-router 0.3.2", measure))
         if ours and theirs and theirs.rps:
-            lines.append(f"- {measure}: this gateway / sglang-router = "
-                         f"{ours.rps / theirs.rps:.2f}x requests/s")
+            lines.append(
+                f"- {measure}: this gateway / sglang-router = "
+                f"{ours.rps / theirs.rps:.2f}x requests/s"
+            )
     lines += [f"- {note}" for note in notes]
     levels = "/".join(str(c) for c in args.concurrency)
-    lines.append(f"- settings: {args.workers} simulated workers, {args.rounds} interleaved "
-                 f"rounds; closed loop at {levels} concurrent for {args.duration:g} s "
-                 "per cell, open loop "
-                 f"at {args.rate:g} rps; max_tokens {CHAT_BODY['max_tokens']}; "
-                 f"machine: {os.cpu_count()} cores shared by every process.")
+    lines.append(
+        f"- settings: {args.workers} simulated workers, {args.rounds} interleaved "
+        f"rounds; closed loop at {levels} concurrent for {args.duration:g} s "
+        "per cell, open loop "
+        f"at {args.rate:g} rps; max_tokens {CHAT_BODY['max_tokens']}; "
+        f"machine: {os.cpu_count()} cores shared by every process."
+    )
     return "\n".join(lines)
 
 
@@ -406,12 +497,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.gateway_bench")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--duration", type=float, default=8.0)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32],
-                        help="closed-loop concurrency levels")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[8, 32], help="closed-loop concurrency levels"
+    )
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
-    parser.add_argument("--write-benchmarks", action="store_true",
-                        help="replace the '## Gateway overhead' section of BENCHMARKS.md")
+    parser.add_argument(
+        "--write-benchmarks",
+        action="store_true",
+        help="replace the '## Gateway overhead' section of BENCHMARKS.md",
+    )
     args = parser.parse_args(argv)
     text = _orchestrate(args)
     print(text)

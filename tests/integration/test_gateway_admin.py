@@ -51,8 +51,9 @@ async def test_legacy_endpoints(fleet: SimulatedFleet, client: ClientSession) ->
             assert resp.status == 201
         async with client.get(gw.url + "/list_workers") as resp:
             assert (await resp.json())["urls"] == [fleet.urls[2]]
-        async with client.post(gw.url + "/v1/completions",
-                               json={"prompt": "x", "max_tokens": 3}) as resp:
+        async with client.post(
+            gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}
+        ) as resp:
             assert resp.status == 200
         async with client.post(gw.url + "/remove_worker", params={"url": fleet.urls[2]}) as resp:
             assert resp.status == 200

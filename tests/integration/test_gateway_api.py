@@ -14,8 +14,11 @@ from gateway.testing import run_gateway, sim_stats
 pytest.importorskip("simulator.fleet")  # lands with the simulated worker
 from simulator.fleet import SimulatedFleet
 
-CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}],
-        "max_tokens": 8}
+CHAT: dict[str, Any] = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Hello there"}],
+    "max_tokens": 8,
+}
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": {"model": "m", "prompt": "Once upon a time", "max_tokens": 8},
@@ -24,7 +27,7 @@ BODIES: dict[str, dict[str, Any]] = {
 
 
 def _events(raw: bytes) -> list[bytes]:
-    return [e[len(b"data: "):] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    return [e[len(b"data: ") :] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
 
 
 @pytest.mark.parametrize("path", list(BODIES))
@@ -61,8 +64,10 @@ async def test_streaming(fleet: SimulatedFleet, client: ClientSession, path: str
 
 
 async def test_embeddings(fleet: SimulatedFleet, client: ClientSession) -> None:
-    async with run_gateway(fleet.urls) as gw, client.post(gw.url + "/v1/embeddings",
-                           json={"model": "m", "input": "hello"}) as resp:
+    async with (
+        run_gateway(fleet.urls) as gw,
+        client.post(gw.url + "/v1/embeddings", json={"model": "m", "input": "hello"}) as resp,
+    ):
         assert resp.status == 200, await resp.text()
         assert (await resp.json())["data"][0]["embedding"]
 
@@ -74,19 +79,25 @@ async def test_openai_client(fleet: SimulatedFleet) -> None:
         oai = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
         try:
             chat = await oai.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=6)
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=6
+            )
             assert chat.choices[0].message.content
             stream = await oai.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                stream=True, stream_options={"include_usage": True})
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             parts = [c async for c in stream]
             text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
             assert text
             assert parts[-1].usage is not None
             comp = await oai.completions.create(model="m", prompt="abc", max_tokens=5)
             assert comp.choices[0].text
-            comp_stream = await oai.completions.create(model="m", prompt="abc", max_tokens=5,
-                                                       stream=True)
+            comp_stream = await oai.completions.create(
+                model="m", prompt="abc", max_tokens=5, stream=True
+            )
             assert "".join([c.choices[0].text async for c in comp_stream if c.choices])
             models = await oai.models.list()
             assert [m.id for m in models.data]
@@ -94,13 +105,19 @@ async def test_openai_client(fleet: SimulatedFleet) -> None:
             await oai.close()
 
 
-async def test_unknown_fields_and_request_id_reach_worker(fleet: SimulatedFleet,
-                                                          client: ClientSession) -> None:
+async def test_unknown_fields_and_request_id_reach_worker(
+    fleet: SimulatedFleet, client: ClientSession
+) -> None:
     async with run_gateway(fleet.urls[:1]) as gw:
-        body = {**CHAT, "my_extension": {"nested": [1, 2.5, "x"]}, "top_k": 3,
-                "chat_template_kwargs": {"enable_thinking": False}}
-        async with client.post(gw.url + "/v1/chat/completions", json=body,
-                               headers={"X-Request-Id": "req-abc-123"}) as resp:
+        body = {
+            **CHAT,
+            "my_extension": {"nested": [1, 2.5, "x"]},
+            "top_k": 3,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        async with client.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "req-abc-123"}
+        ) as resp:
             assert resp.status == 200
             assert resp.headers["x-request-id"] == "req-abc-123"
         seen = (await sim_stats(client, fleet.urls[0]))["last_request_body"]
@@ -109,14 +126,16 @@ async def test_unknown_fields_and_request_id_reach_worker(fleet: SimulatedFleet,
         assert seen["rid"] == "req-abc-123"
         assert {k: v for k, v in seen.items() if k != "rid"} == body
         # sglang-router's other request-id headers are honoured too
-        async with client.post(gw.url + "/v1/chat/completions", json=CHAT,
-                               headers={"x-correlation-id": "corr-9"}) as resp:
+        async with client.post(
+            gw.url + "/v1/chat/completions", json=CHAT, headers={"x-correlation-id": "corr-9"}
+        ) as resp:
             assert resp.headers["x-request-id"] == "corr-9"
         assert (await sim_stats(client, fleet.urls[0]))["last_request_body"]["rid"] == "corr-9"
 
 
-async def test_models_aggregated_and_deduplicated(fleet: SimulatedFleet,
-                                                  client: ClientSession) -> None:
+async def test_models_aggregated_and_deduplicated(
+    fleet: SimulatedFleet, client: ClientSession
+) -> None:
     async with run_gateway(fleet.urls) as gw:
         async with client.get(gw.url + "/v1/models") as resp:
             assert resp.status == 200
@@ -138,23 +157,25 @@ async def test_health_and_readiness(fleet: SimulatedFleet, client: ClientSession
                 assert resp.headers["Retry-After"]
 
 
-async def test_expect_continue_from_the_client(fleet: SimulatedFleet,
-                                               client: ClientSession) -> None:
+async def test_expect_continue_from_the_client(
+    fleet: SimulatedFleet, client: ClientSession
+) -> None:
     async with run_gateway(fleet.urls[:1]) as gw:
         body = {**CHAT, "messages": [{"role": "user", "content": "long " * 400}]}
-        async with client.post(gw.url + "/v1/chat/completions", json=body,
-                               expect100=True) as resp:
+        async with client.post(gw.url + "/v1/chat/completions", json=body, expect100=True) as resp:
             assert resp.status == 200, await resp.text()
         seen = await sim_stats(client, fleet.urls[0])
         assert "expect" not in {k.lower() for k in seen.get("last_request_headers", {})}
 
 
-async def test_form_content_type_still_reaches_worker_as_json(fleet: SimulatedFleet,
-                                                              client: ClientSession) -> None:
+async def test_form_content_type_still_reaches_worker_as_json(
+    fleet: SimulatedFleet, client: ClientSession
+) -> None:
     import json
 
     form = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d` sends
-    async with (run_gateway(fleet.urls[:1]) as gw,
-                client.post(gw.url + "/v1/chat/completions", data=json.dumps(CHAT),
-                            headers=form) as resp):
+    async with (
+        run_gateway(fleet.urls[:1]) as gw,
+        client.post(gw.url + "/v1/chat/completions", data=json.dumps(CHAT), headers=form) as resp,
+    ):
         assert resp.status == 200, await resp.text()

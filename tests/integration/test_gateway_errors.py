@@ -34,18 +34,23 @@ async def _error(resp: Any, status: int) -> dict[str, Any]:
         ("/v1/chat/completions", b"[1, 2]", None),
         ("/v1/chat/completions", b'{"model": "m"}', "messages"),
         ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}],'
-                                 b' "stream": "yes"}', "stream"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+            "stream",
+        ),
         ("/v1/completions", b'{"model": "m"}', "prompt"),
         ("/v1/completions", b'{"prompt": "x", "max_tokens": "many"}', "max_tokens"),
         ("/generate", b'{"sampling_params": {}}', "text"),
     ],
 )
-async def test_bad_requests_are_400(fleet: SimulatedFleet, client: ClientSession, path: str,
-                                    data: bytes, param: str | None) -> None:
+async def test_bad_requests_are_400(
+    fleet: SimulatedFleet, client: ClientSession, path: str, data: bytes, param: str | None
+) -> None:
     async with run_gateway(fleet.urls[:1]) as gw:
-        async with client.post(gw.url + path, data=data,
-                               headers={"content-type": "application/json"}) as resp:
+        async with client.post(
+            gw.url + path, data=data, headers={"content-type": "application/json"}
+        ) as resp:
             body = await _error(resp, 400)
         assert body["type"] == "invalid_request_error"
         if param is not None:
@@ -62,8 +67,7 @@ async def test_api_key(fleet: SimulatedFleet, client: ClientSession) -> None:
             await _error(resp, 401)
         async with client.post(url, json=CHAT, headers={"Authorization": "Basic s3cret"}) as resp:
             await _error(resp, 401)
-        async with client.post(url, json=CHAT,
-                               headers={"Authorization": "Bearer s3cret"}) as resp:
+        async with client.post(url, json=CHAT, headers={"Authorization": "Bearer s3cret"}) as resp:
             assert resp.status == 200
         async with client.get(gw.url + "/workers") as resp:
             await _error(resp, 401)
@@ -84,8 +88,12 @@ async def test_404_405_413(fleet: SimulatedFleet, client: ClientSession) -> None
 
 
 async def test_admission_429_and_503(fleet: SimulatedFleet, client: ClientSession) -> None:
-    async with run_gateway(fleet.urls[:1], admission__max_concurrent_requests=1,
-                           admission__queue_size=1, admission__queue_timeout_s=0.6) as gw:
+    async with run_gateway(
+        fleet.urls[:1],
+        admission__max_concurrent_requests=1,
+        admission__queue_size=1,
+        admission__queue_timeout_s=0.6,
+    ) as gw:
         url = gw.url + "/v1/chat/completions"
         await sim_faults(client, fleet.urls[0], latency_s=2.0)  # the slot stays held
 

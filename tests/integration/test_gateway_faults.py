@@ -16,8 +16,7 @@ from gateway.testing import run_gateway, sim_faults, sim_stats
 pytest.importorskip("simulator.fleet")  # lands with the simulated worker
 from simulator.fleet import SimulatedFleet
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}],
-        "max_tokens": 8}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8}
 LONG = {**CHAT, "max_tokens": 400, "ignore_eos": True}
 
 
@@ -29,8 +28,7 @@ async def _eventually(check: object, within_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_worker_killed_between_requests(fleet: SimulatedFleet,
-                                              client: ClientSession) -> None:
+async def test_worker_killed_between_requests(fleet: SimulatedFleet, client: ClientSession) -> None:
     async with run_gateway(fleet.urls) as gw:
         for _ in range(3):
             async with client.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
@@ -57,8 +55,9 @@ async def test_retry_on_5xx_goes_elsewhere(fleet: SimulatedFleet, client: Client
         assert (await sim_stats(client, fleet.urls[0]))["requests"] >= 1
 
 
-async def test_every_worker_failing_relays_the_error(fleet: SimulatedFleet,
-                                                     client: ClientSession) -> None:
+async def test_every_worker_failing_relays_the_error(
+    fleet: SimulatedFleet, client: ClientSession
+) -> None:
     async with run_gateway(fleet.urls, retry__max_retries=5) as gw:
         for url in fleet.urls:
             await sim_faults(client, url, error_rate=1.0, error_status=500)
@@ -72,25 +71,27 @@ async def test_worker_drops_mid_stream(fleet: SimulatedFleet, client: ClientSess
     async with run_gateway(fleet.urls) as gw:
         for url in fleet.urls:
             await sim_faults(client, url, drop_mid_stream_after=3)
-        async with client.post(gw.url + "/v1/chat/completions",
-                               json={**LONG, "stream": True}) as resp:
+        async with client.post(
+            gw.url + "/v1/chat/completions", json={**LONG, "stream": True}
+        ) as resp:
             assert resp.status == 200
             raw = await resp.read()
         events = [e for e in raw.split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]"
-        error = orjson.loads(events[-2][len(b"data: "):])
+        error = orjson.loads(events[-2][len(b"data: ") :])
         assert error["error"]["code"] == 502
         assert raw.count(b"[DONE]") == 1 and raw.count(b'{"error":') == 1
         for event in events[:-2]:
             assert event.startswith(b"data: {")
-            orjson.loads(event[len(b"data: "):])  # whole events only
+            orjson.loads(event[len(b"data: ") :])  # whole events only
         assert all(w.in_flight == 0 for w in gw.registry)
 
 
 async def test_worker_killed_mid_stream(fleet: SimulatedFleet, client: ClientSession) -> None:
     async with run_gateway(fleet.urls) as gw:
-        async with client.post(gw.url + "/v1/chat/completions",
-                               json={**LONG, "max_tokens": 20000, "stream": True}) as resp:
+        async with client.post(
+            gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 20000, "stream": True}
+        ) as resp:
             assert resp.status == 200
             first = await resp.content.readany()
             assert first.startswith(b"data: ")
@@ -102,12 +103,14 @@ async def test_worker_killed_mid_stream(fleet: SimulatedFleet, client: ClientSes
         await _eventually(lambda: all(w.in_flight == 0 for w in gw.registry))
 
 
-async def test_client_disconnect_aborts_on_worker(fleet: SimulatedFleet,
-                                                  client: ClientSession) -> None:
+async def test_client_disconnect_aborts_on_worker(
+    fleet: SimulatedFleet, client: ClientSession
+) -> None:
     async with run_gateway(fleet.urls[:1]) as gw:
         url = fleet.urls[0]
-        async with client.post(gw.url + "/v1/chat/completions",
-                               json={**LONG, "max_tokens": 20000, "stream": True}) as resp:
+        async with client.post(
+            gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 20000, "stream": True}
+        ) as resp:
             assert resp.status == 200
             await resp.content.readany()
             worker = gw.registry.find(url)
@@ -126,17 +129,20 @@ async def test_client_disconnect_aborts_on_worker(fleet: SimulatedFleet,
         assert await aborted()
 
 
-async def test_client_disconnect_non_streaming(fleet: SimulatedFleet,
-                                               client: ClientSession) -> None:
+async def test_client_disconnect_non_streaming(
+    fleet: SimulatedFleet, client: ClientSession
+) -> None:
     async with run_gateway(fleet.urls[:1]) as gw:
         url = fleet.urls[0]
         worker = gw.registry.find(url)
         assert worker is not None
         with_timeout = aiohttp.ClientTimeout(total=0.3)
         try:
-            async with client.post(gw.url + "/v1/chat/completions",
-                                   json={**LONG, "max_tokens": 20000},  # seconds of decoding
-                                   timeout=with_timeout) as resp:
+            async with client.post(
+                gw.url + "/v1/chat/completions",
+                json={**LONG, "max_tokens": 20000},  # seconds of decoding
+                timeout=with_timeout,
+            ) as resp:
                 await resp.read()
         except TimeoutError:
             pass
@@ -166,17 +172,19 @@ async def test_unreachable_worker_is_502(client: ClientSession) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    async with (run_gateway([f"http://127.0.0.1:{port}"], ready_within_s=0) as gw,
-                client.post(gw.url + "/v1/chat/completions", json=CHAT) as resp):
+    async with (
+        run_gateway([f"http://127.0.0.1:{port}"], ready_within_s=0) as gw,
+        client.post(gw.url + "/v1/chat/completions", json=CHAT) as resp,
+    ):
         assert resp.status == 502
         body = await resp.json()
         assert body["error"]["code"] == 502 and body["error"]["message"]
 
 
-async def test_health_flips_after_thresholds(fleet: SimulatedFleet,
-                                             client: ClientSession) -> None:
-    async with run_gateway(fleet.urls, health__interval_s=0.1, health__failure_threshold=3,
-                           health__success_threshold=2) as gw:
+async def test_health_flips_after_thresholds(fleet: SimulatedFleet, client: ClientSession) -> None:
+    async with run_gateway(
+        fleet.urls, health__interval_s=0.1, health__failure_threshold=3, health__success_threshold=2
+    ) as gw:
         worker = gw.registry.find(fleet.urls[2])
         assert worker is not None and worker.healthy
         await sim_faults(client, fleet.urls[2], fail_health=True)
@@ -194,8 +202,9 @@ async def test_health_flips_after_thresholds(fleet: SimulatedFleet,
 
 async def test_drain_lets_in_flight_finish(fleet: SimulatedFleet, client: ClientSession) -> None:
     async with run_gateway(fleet.urls[:2]) as gw:
-        async with client.post(gw.url + "/v1/chat/completions",
-                               json={**LONG, "max_tokens": 100, "stream": True}) as resp:
+        async with client.post(
+            gw.url + "/v1/chat/completions", json={**LONG, "max_tokens": 100, "stream": True}
+        ) as resp:
             target = resp.headers["x-gateway-worker"]
             worker = gw.registry.find(target)
             assert worker is not None

@@ -18,15 +18,17 @@ SYSTEM = "You are a meticulous assistant. " * 40
 
 
 def _chat(question: str) -> dict[str, Any]:
-    return {"model": "m", "max_tokens": 4,
-            "messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": question}]}
+    return {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
-async def test_repeat_prefix_is_matched_and_reported(fleet: SimulatedFleet,
-                                                     client: ClientSession,
-                                                     policy: str) -> None:
+async def test_repeat_prefix_is_matched_and_reported(
+    fleet: SimulatedFleet, client: ClientSession, policy: str
+) -> None:
     async with run_gateway(fleet.urls, policy__name=policy) as gw:
         async with client.post(gw.url + "/v1/chat/completions", json=_chat("first?")) as resp:
             assert resp.status == 200
@@ -40,7 +42,8 @@ async def test_repeat_prefix_is_matched_and_reported(fleet: SimulatedFleet,
         record = gw.router.decisions.latest(1)[0]
         assert record.matched_tokens == matched
         assert record.candidates and {c.worker for c in record.candidates} == {
-            w.id for w in gw.registry}
+            w.id for w in gw.registry
+        }
         assert record.outcome is not None
         assert record.outcome.reported_cached_tokens is not None
         assert record.outcome.reported_cached_tokens > 0

@@ -56,8 +56,9 @@ async def scripted() -> AsyncIterator[list[TestServer]]:
         await server.close()
 
 
-async def _start(servers: list[TestServer], pieces: list[bytes], drop: bool,
-                 pause_s: float = 0.01) -> str:
+async def _start(
+    servers: list[TestServer], pieces: list[bytes], drop: bool, pause_s: float = 0.01
+) -> str:
     server = TestServer(_script(pieces, drop, pause_s), host="127.0.0.1")
     await server.start_server()
     servers.append(server)
@@ -65,8 +66,12 @@ async def _start(servers: list[TestServer], pieces: list[bytes], drop: bool,
 
 
 async def test_split_events_rejoin_and_cached_tokens(scripted: list[TestServer]) -> None:
-    pieces = [b'data: {"a":', b'1}\n\ndata: {"b":2}\n', b'\ndata: {"usage":{"prompt_tokens_'
-              b'details":{"cached_tokens":48}}}\n\n', b"data: [DONE]\n\n"]
+    pieces = [
+        b'data: {"a":',
+        b'1}\n\ndata: {"b":2}\n',
+        b'\ndata: {"usage":{"prompt_tokens_details":{"cached_tokens":48}}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
     url = await _start(scripted, pieces, drop=False)
     async with run_gateway([url], policy__name="cache_aware") as gw, ClientSession() as client:
         async with client.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
@@ -77,7 +82,8 @@ async def test_split_events_rejoin_and_cached_tokens(scripted: list[TestServer])
 
 
 async def test_drop_inside_an_event_sends_whole_events_then_error(
-        scripted: list[TestServer]) -> None:
+    scripted: list[TestServer],
+) -> None:
     url = await _start(scripted, [b'data: {"a":1}\n\ndata: {"b":', b"2"], drop=True)
     async with run_gateway([url]) as gw, ClientSession() as client:
         async with client.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
@@ -104,8 +110,9 @@ async def test_drop_before_first_event_is_retried(scripted: list[TestServer]) ->
 async def test_client_disconnect_sends_abort_with_the_rid(scripted: list[TestServer]) -> None:
     url = await _start(scripted, [b'data: {"a":1}\n\n'] * 50, drop=False, pause_s=0.05)
     async with run_gateway([url]) as gw, ClientSession() as client:
-        async with client.post(gw.url + "/v1/chat/completions", json=CHAT,
-                               headers={"x-request-id": "gone-1"}) as resp:
+        async with client.post(
+            gw.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "gone-1"}
+        ) as resp:
             await resp.content.readany()
             resp.close()
         worker = next(iter(gw.registry))

@@ -24,8 +24,7 @@ async def test_unlimited_by_default() -> None:
 
 
 async def test_limit_queue_and_fifo() -> None:
-    adm = Admission(AdmissionConfig(max_concurrent_requests=2, queue_size=5,
-                                    queue_timeout_s=10))
+    adm = Admission(AdmissionConfig(max_concurrent_requests=2, queue_size=5, queue_timeout_s=10))
     release = asyncio.Event()
     entered: list[int] = []
     tasks = [asyncio.create_task(_hold(adm, entered, i, release)) for i in range(5)]
@@ -38,8 +37,7 @@ async def test_limit_queue_and_fifo() -> None:
 
 
 async def test_queue_full_is_429_with_retry_after() -> None:
-    adm = Admission(AdmissionConfig(max_concurrent_requests=1, queue_size=1,
-                                    queue_timeout_s=10))
+    adm = Admission(AdmissionConfig(max_concurrent_requests=1, queue_size=1, queue_timeout_s=10))
     release = asyncio.Event()
     entered: list[int] = []
     tasks = [asyncio.create_task(_hold(adm, entered, i, release)) for i in range(2)]
@@ -54,8 +52,7 @@ async def test_queue_full_is_429_with_retry_after() -> None:
 
 
 async def test_queue_timeout_is_503_and_frees_the_place() -> None:
-    adm = Admission(AdmissionConfig(max_concurrent_requests=1, queue_size=1,
-                                    queue_timeout_s=0.05))
+    adm = Admission(AdmissionConfig(max_concurrent_requests=1, queue_size=1, queue_timeout_s=0.05))
     release = asyncio.Event()
     holder = asyncio.create_task(_hold(adm, [], 0, release))
     await asyncio.sleep(0.01)
@@ -72,8 +69,7 @@ async def test_queue_timeout_is_503_and_frees_the_place() -> None:
 
 
 async def test_cancelled_waiter_leaves_queue() -> None:
-    adm = Admission(AdmissionConfig(max_concurrent_requests=1, queue_size=2,
-                                    queue_timeout_s=10))
+    adm = Admission(AdmissionConfig(max_concurrent_requests=1, queue_size=2, queue_timeout_s=10))
     release = asyncio.Event()
     holder = asyncio.create_task(_hold(adm, [], 0, release))
     await asyncio.sleep(0.01)

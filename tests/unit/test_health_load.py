@@ -15,8 +15,9 @@ async def test_flags_flip_after_consecutive_results() -> None:
     reg = WorkerRegistry(0.5)
     w, _ = reg.add("http://127.0.0.1:1")
     async with aiohttp.ClientSession() as session:
-        checker = HealthChecker(HealthConfig(failure_threshold=3, success_threshold=2), reg,
-                                session)
+        checker = HealthChecker(
+            HealthConfig(failure_threshold=3, success_threshold=2), reg, session
+        )
         flips: list[bool] = []
         checker.on_flip.append(lambda _w, ok: flips.append(ok))
         checker.record(w, True)  # one pass clears "unchecked"
@@ -34,21 +35,40 @@ async def test_flags_flip_after_consecutive_results() -> None:
 
 
 def test_server_info_fields() -> None:
-    meta = parse_server_info({"model_path": "/m", "served_model_name": "m",
-                              "max_total_num_tokens": 4096, "page_size": 16})
+    meta = parse_server_info(
+        {
+            "model_path": "/m",
+            "served_model_name": "m",
+            "max_total_num_tokens": 4096,
+            "page_size": 16,
+        }
+    )
     assert (meta.model, meta.capacity_tokens, meta.page_size) == ("m", 4096, 16)
-    meta = parse_server_info({"model_path": "/m",
-                              "internal_states": [{"max_total_num_tokens": 99}]})
+    meta = parse_server_info(
+        {"model_path": "/m", "internal_states": [{"max_total_num_tokens": 99}]}
+    )
     assert (meta.model, meta.capacity_tokens, meta.page_size) == ("/m", 99, None)
 
 
 def test_v1_loads_sums_ranks() -> None:
-    body = {"loads": [
-        {"num_running_reqs": 2, "num_waiting_reqs": 1, "num_waiting_uncached_tokens": 100,
-         "token_usage": 0.5, "max_total_num_tokens": 1000},
-        {"num_running_reqs": 3, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 20,
-         "token_usage": 0.7, "max_total_num_tokens": 1000},
-    ]}
+    body = {
+        "loads": [
+            {
+                "num_running_reqs": 2,
+                "num_waiting_reqs": 1,
+                "num_waiting_uncached_tokens": 100,
+                "token_usage": 0.5,
+                "max_total_num_tokens": 1000,
+            },
+            {
+                "num_running_reqs": 3,
+                "num_waiting_reqs": 0,
+                "num_waiting_uncached_tokens": 20,
+                "token_usage": 0.7,
+                "max_total_num_tokens": 1000,
+            },
+        ]
+    }
     parsed = parse_v1_loads(body)
     assert parsed is not None
     load, capacity = parsed
@@ -59,8 +79,7 @@ def test_v1_loads_sums_ranks() -> None:
 
 
 def test_get_load_list_form() -> None:
-    load = parse_get_load([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2,
-                            "num_tokens": 10}])
+    load = parse_get_load([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 10}])
     assert load is not None and (load.running_requests, load.waiting_requests) == (3, 2)
     assert parse_get_load({"load": 7}) is None
 
@@ -80,8 +99,10 @@ def test_metrics_text() -> None:
 
 def test_cached_tokens_takes_the_last_report() -> None:
     assert cached_tokens(b'{"usage":{"prompt_tokens_details":{"cached_tokens":12}}}') == 12
-    chunk = (b'data: {"meta_info":{"cached_tokens":3,"cached_tokens_details":null}}\n\n'
-             b'data: {"meta_info":{"cached_tokens": 8}}\n\n')
+    chunk = (
+        b'data: {"meta_info":{"cached_tokens":3,"cached_tokens_details":null}}\n\n'
+        b'data: {"meta_info":{"cached_tokens": 8}}\n\n'
+    )
     assert cached_tokens(chunk) == 8
     assert cached_tokens(b'{"usage":{"prompt_tokens_details":null}}') is None
 
@@ -116,8 +137,10 @@ async def test_poller_falls_back_to_metrics_and_remembers() -> None:
             poller = LoadPoller(LoadConfig(), reg, session, timeout_s=2.0)
             await poller.poll(worker)
             assert worker.engine_load is not None
-            assert (worker.engine_load.running_requests, worker.engine_load.waiting_requests) \
-                == (3, 1)
+            assert (worker.engine_load.running_requests, worker.engine_load.waiting_requests) == (
+                3,
+                1,
+            )
             await poller.poll(worker)
         assert hits == ["/v1/loads", "/get_load", "/metrics", "/metrics"]
     finally:

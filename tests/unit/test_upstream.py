@@ -66,11 +66,13 @@ def _deadline(seconds: float = 5.0) -> float:
     return asyncio.get_running_loop().time() + seconds
 
 
-CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-           b"Transfer-Encoding: chunked\r\n\r\n"
-           b"f\r\ndata: {\"a\":1}\n\n\r\n"
-           b"f\r\ndata: {\"b\":2}\n\n\r\n"
-           b"0\r\n\r\n")
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+    b'f\r\ndata: {"a":1}\n\n\r\n'
+    b'f\r\ndata: {"b":2}\n\n\r\n'
+    b"0\r\n\r\n"
+)
 
 
 async def test_chunked_any_split_and_keep_alive(serve: Any) -> None:
@@ -78,7 +80,7 @@ async def test_chunked_any_split_and_keep_alive(serve: Any) -> None:
         while True:
             await _read_request(reader)
             for i in range(0, len(CHUNKED), 7):  # framing split at awkward places
-                writer.write(CHUNKED[i:i + 7])
+                writer.write(CHUNKED[i : i + 7])
                 await writer.drain()
                 await asyncio.sleep(0)
 
@@ -86,8 +88,9 @@ async def test_chunked_any_split_and_keep_alive(serve: Any) -> None:
     pool = UpstreamPool(connect_timeout_s=1.0)
     try:
         for _ in range(3):
-            resp = await pool.request(worker.url, "/v1/chat/completions",
-                                      [("X-A", "1")], b'{"x":1}', _deadline())
+            resp = await pool.request(
+                worker.url, "/v1/chat/completions", [("X-A", "1")], b'{"x":1}', _deadline()
+            )
             assert resp.status == 200
             assert resp.header("content-type") == "text/event-stream"
             body = b""
@@ -111,8 +114,9 @@ async def test_content_length_and_request_bytes(serve: Any) -> None:
     worker = await serve(script)
     pool = UpstreamPool(connect_timeout_s=1.0)
     try:
-        resp = await pool.request(worker.url, "/generate?x=1", [("x-request-id", "r1")],
-                                  b'{"text":"hi"}', _deadline())
+        resp = await pool.request(
+            worker.url, "/generate?x=1", [("x-request-id", "r1")], b'{"text":"hi"}', _deadline()
+        )
         assert resp.status == 400 and await resp.read() == b"nope!"
     finally:
         await pool.close()
@@ -212,8 +216,7 @@ async def test_body_past_the_deadline_is_timeout(serve: Any) -> None:
 async def test_interim_1xx_is_skipped(serve: Any) -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
-        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n"
-                     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
         await reader.read()
 
