@@ -1,4 +1,4 @@
-"""Minimum estimated time to first token, with prefix affinity in near ties (the default).
+"""Minimum estimated time to first token, with affinity for private prefixes (the default).
 
 Algorithm, per request. For each candidate ``w`` (cost from ``w.cost``, defaults when a
 field is ``None``: PERFORMANCE.md section 3, Llama-3-8B on an H100):
@@ -33,7 +33,25 @@ Then:
    is held near 0.25 + 0.15 = 0.4 of the decisions: no collapse onto one worker. The
    share memory makes ``select`` depend on the policy's past decisions, as round robin's
    counter does.
-2. Near ties: every remaining candidate whose score is within ``tolerance_s +
+2. Exploit (after Preble's E2 rule, with load in time units): let ``private`` be the
+   part of the longest match that no other remaining candidate holds (longest match
+   minus the best match elsewhere). When ``private >= exploit_ratio * prompt_tokens``,
+   the remaining holder of the longest match with the lowest estimate is chosen unless
+   its estimate exceeds the best remaining estimate by more than ``affinity_max_s``
+   seconds or exceeds ``affinity_factor`` x it + ``affinity_s``; ties among holders at
+   random. Defaults: 0.1, 5 s, 100 x, 0 s, so in practice a private prefix stays on its
+   worker unless that worker is hot and crowded (step 1) or 5 s behind the best.
+   Why: a conversation's history is private to its worker; moving it throws that copy
+   away and re-computes it elsewhere, and under overload (every queue long) that extra
+   work delays everybody. The near-tie band (step 3) moved it as soon as the holder
+   was about 20 % slower, which on the Mooncake traces cost hit rate *and* latency.
+   Tighter guards measured worse (BENCHMARKS.md, "Policy tuning": a factor of 4 or a
+   2 s bound lose hits on the synthetic trace without a steady gain in p99).
+   A prefix that other workers hold too (a system prompt) is not private, so cold
+   prompts and new conversations still go to the lowest score: this step does not
+   herd them onto the workers that happen to hold a shared prefix.
+   ``exploit_ratio`` > 1 disables the step (the policy as it was before).
+3. Near ties: every remaining candidate whose score is within ``tolerance_s +
    tolerance_rel * best`` of the best score is "as good"; among those, the ones holding
    the longest match win, and among them the lowest score; exact ties at random.
    This keeps siblings and conversation turns on their worker until its queue makes a
@@ -53,14 +71,17 @@ a few prefix re-computations for robustness against collapse. There is no determ
 "home" worker (rendezvous hash) for cold prompts: the gateway records a prompt at
 dispatch, so a cold prompt's siblings already find it, and a home would only skew load.
 
-Measured in the offline replay (``python -m loadtests.replay``, 8 simulated workers of
-430k tokens, against the replay's re-implementation of sglang-router's rule), token hit
-rate / p99 TTFT: generated-shared-prefix at 20 requests/s 0.880 / 0.062 s, the same as
-sglang-router's (0.880 is the bound); multi-turn chat (256 sessions, 2k-token system
-prompt, 8 sessions/s) 0.829 / 0.089 s vs 0.814 / 0.091 s; Mooncake conversation trace
-compressed x3 (overloaded: round robin's mean TTFT is 18 s) 0.115 / 10.1 s vs
-0.152 / 14.0 s: under overload this policy moves conversations off long queues and gives
-up hits for tail latency.
+Measured in the offline replay (BENCHMARKS.md, "Policy tuning": 8 simulated workers of
+430k tokens, arrivals x3, against the replay's re-implementation of sglang-router's rule
+and this policy without the exploit step): Mooncake synthetic trace, hit rate 0.304
+(sglang-router 0.295, without the step 0.266), p99 TTFT 3.96 s (10.66 s, 4.09 s), mean
+0.67 s (1.44 s, 0.69 s); Mooncake conversation trace, hit 0.128 (0.149, 0.116), p99
+10.7 s (15.3 s, 9.4 s), mean 1.19 s (2.15 s, 1.21 s). On the conversation trace the hit
+rate of every policy using the gateway's prefix index stays below sglang-router's
+reference (whose tree never forgets); with the index's per-worker capacity raised 3x
+the same policies gain 1-2 points. Shared-prefix workloads: 0.880 (the bound), as the
+others; light multi-turn chat: 0.734 vs 0.771 (the hot-worker cap of step 1 moves
+conversations off the few workers that hold the system prompt).
 """
 
 from __future__ import annotations
@@ -124,6 +145,10 @@ class MinTtftPolicy(Policy):
         decode_request_s: float = 1e-4,
         hot_margin: float = 0.15,
         share_window: int = 64,
+        exploit_ratio: float = 0.1,
+        affinity_factor: float = 100.0,
+        affinity_s: float = 0.0,
+        affinity_max_s: float = 5.0,
     ) -> None:
         if work_weight < 0 or tolerance_s < 0 or tolerance_rel < 0 or decode_request_s < 0:
             raise ValueError("weights and tolerances must be >= 0")
@@ -139,6 +164,14 @@ class MinTtftPolicy(Policy):
         self._decode_request_s = decode_request_s
         self._hot_margin = hot_margin
         self._share_window = share_window
+        if exploit_ratio < 0 or affinity_factor < 1.0 or affinity_s < 0 or affinity_max_s < 0:
+            raise ValueError(
+                "exploit_ratio, affinity_s, affinity_max_s must be >= 0, affinity_factor >= 1"
+            )
+        self._affinity_max_s = affinity_max_s
+        self._exploit_ratio = exploit_ratio
+        self._affinity_factor = affinity_factor
+        self._affinity_s = affinity_s
         self._shares: dict[str, float] = {}  # worker id -> EWMA share of decisions
 
     def estimate(self, worker: WorkerView, prompt_tokens: int) -> tuple[float, float]:
@@ -170,6 +203,10 @@ class MinTtftPolicy(Policy):
         if len(candidates) == 1:
             return Decision(candidates[0].id, REASON_ONLY_CANDIDATE, estimates)
         eligible = self._within_load_cap(candidates)
+        sticky = self._exploit(eligible, estimates, ctx)
+        if sticky is not None:
+            self._remember(sticky.id, candidates)
+            return Decision(sticky.id, self._reason(sticky, candidates), estimates)
         best = min(scores[w.id] for w in eligible)
         band = best + self._tolerance_s + self._tolerance_rel * best
         near = [w for w in eligible if scores[w.id] <= band]
@@ -180,6 +217,28 @@ class MinTtftPolicy(Policy):
         chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
         self._remember(chosen.id, candidates)
         return Decision(chosen.id, self._reason(chosen, candidates), estimates)
+
+    def _exploit(
+        self, eligible: Sequence[WorkerView], estimates: dict[str, float], ctx: RouteContext
+    ) -> WorkerView | None:
+        """The holder of the longest match, if the part only it holds (beyond the best
+        match elsewhere) is at least ``exploit_ratio`` of the prompt and its estimate is
+        within ``affinity_factor`` x the best + ``affinity_s``."""
+        longest = max(w.matched_tokens for w in eligible)
+        if longest <= 0:
+            return None
+        holders = [w for w in eligible if w.matched_tokens == longest]
+        second = max((w.matched_tokens for w in eligible if w.matched_tokens < longest), default=0)
+        if longest - second < self._exploit_ratio * max(1, ctx.prompt_tokens):
+            return None
+        low = min(estimates[w.id] for w in holders)
+        best = min(estimates[w.id] for w in eligible)
+        if low > self._affinity_factor * best + self._affinity_s:
+            return None
+        if low - best > self._affinity_max_s:
+            return None
+        tied = [w for w in holders if estimates[w.id] == low]
+        return tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
 
     def _within_load_cap(self, candidates: Sequence[WorkerView]) -> list[WorkerView]:
         n = len(candidates)
@@ -222,4 +281,8 @@ class MinTtftPolicy(Policy):
             "decode_request_s": self._decode_request_s,
             "hot_margin": self._hot_margin,
             "share_window": self._share_window,
+            "exploit_ratio": self._exploit_ratio,
+            "affinity_factor": self._affinity_factor,
+            "affinity_s": self._affinity_s,
+            "affinity_max_s": self._affinity_max_s,
         }

@@ -84,14 +84,24 @@ def test_holder_kept_while_its_queue_is_short_spread_when_long() -> None:
     cold = WorkerView("cold")
     decision = policy.select(ctx([holder_short, cold]))
     assert (decision.worker_id, decision.reason) == ("holder", REASON_PREFIX_HIT)
-    # pure min-TTFT (no work weight, no tolerance) would already leave the holder here
-    pure = create_policy("min_ttft", work_weight=0.0, tolerance_s=0.0, tolerance_rel=0.0)
+    # pure min-TTFT (no exploit step, work weight or tolerance) would already leave it
+    pure = create_policy(
+        "min_ttft", exploit_ratio=2.0, work_weight=0.0, tolerance_s=0.0, tolerance_rel=0.0
+    )
     assert pure.select(ctx([holder_short, cold])).worker_id == "cold"
-    # a queue of ~0.45 s of prefill makes a second copy clearly cheaper
+    # ~0.45 s of queued prefill: the near-tie band alone spreads the prefix, the exploit
+    # step (private prefix, holder within affinity_max_s = 5 s of the best) keeps it
     holder_long = WorkerView(
         "holder", in_flight=2, queued_prefill_tokens=20_000, matched_tokens=2048
     )
-    decision = policy.select(ctx([holder_long, cold]))
+    band_only = create_policy("min_ttft", exploit_ratio=2.0)
+    assert band_only.select(ctx([holder_long, cold])).worker_id == "cold"
+    assert policy.select(ctx([holder_long, cold])).worker_id == "holder"
+    # ~6.6 s of queued prefill: more than affinity_max_s behind: a second copy is made
+    holder_longer = WorkerView(
+        "holder", in_flight=2, queued_prefill_tokens=300_000, matched_tokens=2048
+    )
+    decision = policy.select(ctx([holder_longer, cold]))
     assert (decision.worker_id, decision.reason) == ("cold", REASON_LOAD)
 
 
@@ -267,3 +277,77 @@ def test_shared_first_block_does_not_collapse() -> None:
     requests = [(0, 512, 8192 + 512)] * 80
     counts, _ = run(create_policy("min_ttft"), 4, requests, interval_s=0.05, decode_s=0.5)
     assert len(counts) == 4 and max(counts.values()) <= 32, counts
+
+
+# --- exploit step: the holder of most of the prompt, guarded by a TTFT factor ---------
+
+
+def overloaded(holder_queue_tokens: int, matched: int = 8000) -> list[WorkerView]:
+    """A prompt of 10k tokens; the holder and the alternative both have long queues."""
+    return [
+        WorkerView(
+            "holder", in_flight=1, queued_prefill_tokens=holder_queue_tokens, matched_tokens=matched
+        ),
+        WorkerView("other", in_flight=1, queued_prefill_tokens=90_000),
+    ]
+
+
+def test_exploit_keeps_the_holder_under_a_shared_overload() -> None:
+    policy = MinTtftPolicy(exploit_ratio=0.5, affinity_factor=1.5)
+    views = overloaded(140_000)
+    holder = policy.estimate(views[0], 10_000)[0]
+    other = policy.estimate(views[1], 10_000)[0]
+    assert other < holder <= 1.5 * other  # slower, but within the guard
+    decision = policy.select(ctx(views, prompt=10_000))
+    assert (decision.worker_id, decision.reason) == ("holder", REASON_PREFIX_HIT)
+    # without the exploit step the near-tie band alone gives the holder up here
+    assert MinTtftPolicy(exploit_ratio=2.0).select(ctx(views, prompt=10_000)).worker_id == "other"
+
+
+def test_exploit_guard_spreads_when_the_holder_is_far_slower() -> None:
+    policy = MinTtftPolicy(exploit_ratio=0.5, affinity_factor=1.5)
+    views = overloaded(200_000)
+    assert policy.estimate(views[0], 10_000)[0] > 1.5 * policy.estimate(views[1], 10_000)[0]
+    decision = policy.select(ctx(views, prompt=10_000))
+    assert (decision.worker_id, decision.reason) == ("other", REASON_LOAD)
+
+
+def test_exploit_needs_the_cached_part_to_dominate() -> None:
+    policy = MinTtftPolicy(exploit_ratio=0.5, affinity_factor=1.5)
+    views = overloaded(140_000, matched=4000)  # 40% of the prompt: not exploited
+    assert policy.select(ctx(views, prompt=10_000)).worker_id == "other"
+
+
+def test_a_prefix_other_workers_hold_too_is_not_exploited() -> None:
+    # the holder's lead over the best match elsewhere is 1,000 of 10,000 tokens
+    policy = MinTtftPolicy(exploit_ratio=0.5, affinity_factor=1.5)
+    views = overloaded(140_000)
+    views[1] = WorkerView("other", in_flight=1, queued_prefill_tokens=90_000, matched_tokens=7000)
+    assert policy.select(ctx(views, prompt=10_000)).worker_id == "other"
+    # a system prompt every worker holds: a cold prompt still goes to the lowest score
+    shared = [
+        WorkerView("busy", in_flight=1, queued_prefill_tokens=5000, matched_tokens=512),
+        WorkerView("idle", matched_tokens=512),
+    ]
+    assert create_policy("min_ttft").select(ctx(shared, prompt=700)).worker_id == "idle"
+
+
+def test_exploit_ties_between_holders_at_random() -> None:
+    policy = MinTtftPolicy(exploit_ratio=0.5, affinity_factor=1.5)
+    views = [WorkerView(f"h{i}", matched_tokens=8000) for i in range(3)] + [WorkerView("cold")]
+    seen = Counter(policy.select(ctx(views, prompt=10_000, seed=s)).worker_id for s in range(60))
+    assert set(seen) == {"h0", "h1", "h2"}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"exploit_ratio": -0.1},
+        {"affinity_factor": 0.9},
+        {"affinity_s": -1.0},
+        {"affinity_max_s": -1.0},
+    ],
+)
+def test_bad_exploit_parameters(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        create_policy("min_ttft", **bad)
