@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS ?= dev,loadtest,engine
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo demo-real lint bench browser-deps clean
 
 install: $(STAMP)
 
@@ -15,7 +15,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-test: install
+# Debian's Chromium for the dashboard's browser test (never a browser downloaded by a tool).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser-deps:
+	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
+test: install browser-deps
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q
@@ -27,6 +32,10 @@ lint: install
 
 demo: install
 	$(PY) -m gateway.demo --config config/demo.yaml
+
+# The gateway in front of real llama.cpp servers (a tiny model generated on first use).
+demo-real: install
+	$(PY) -m loadtests.engine.demo
 
 bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"

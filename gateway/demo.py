@@ -58,9 +58,9 @@ _CURL_BODY = (
 )
 
 
-def _usage(gateway: str, n_workers: int) -> str:
+def _usage(gateway: str, description: str) -> str:
     return f"""
-The gateway is serving at {gateway} in front of {n_workers} simulated SGLang workers.
+The gateway is serving at {gateway} in front of {description}.
 
 Try it with curl (send it twice: the second reply's usage.prompt_tokens_details
 reports the cached prompt tokens, and the x-gateway-worker header names the worker):
@@ -96,17 +96,14 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=Path("config/demo.yaml"))
-    parser.add_argument("--speed", type=float, default=1.0, help="simulator speed factor")
-    args = parser.parse_args(argv)
-    config = yaml.safe_load(args.config.read_text())
-    ports = _worker_ports(config)
-    server = config.get("server") or {}
-    gateway = f"http://{server.get('host', '127.0.0.1')}:{server.get('port', 30000)}"
-    python = sys.executable
-    procs: list[subprocess.Popen[bytes]] = []
+def serve_until_stopped(
+    gateway_cmd: list[str], gateway: str, description: str, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Start the gateway, print how to use it, and wait for Ctrl-C, SIGTERM or an exit.
+
+    ``procs`` are the already started worker processes; every process, the gateway's
+    included, is stopped by process id before returning.
+    """
     stop_requested = False
 
     def _on_signal(signum: int, frame: object) -> None:
@@ -116,19 +113,37 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
-        procs.append(subprocess.Popen([
-            python, "-m", "simulator", "--workers", str(len(ports)),
-            "--base-port", str(ports[0]), "--enable-metrics", "--enable-cache-report",
-            "--speed", str(args.speed),
-        ], stdout=subprocess.DEVNULL))
-        _wait_ready(f"http://127.0.0.1:{ports[-1]}/health", procs)
-        procs.append(subprocess.Popen([python, "-m", "gateway", "--config", str(args.config)]))
+        procs.append(subprocess.Popen(gateway_cmd))
         _wait_ready(f"{gateway}/readiness", procs)
-        print(_usage(gateway, len(ports)), flush=True)
+        print(_usage(gateway, description), flush=True)
         while not stop_requested and all(p.poll() is None for p in procs):
             time.sleep(0.2)
     finally:
         _stop(procs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("config/demo.yaml"))
+    parser.add_argument("--speed", type=float, default=1.0, help="simulator speed factor")
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(args.config.read_text())
+    ports = _worker_ports(config)
+    server = config.get("server") or {}
+    gateway = f"http://{server.get('host', '127.0.0.1')}:{server.get('port', 30000)}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(subprocess.Popen([
+            sys.executable, "-m", "simulator", "--workers", str(len(ports)),
+            "--base-port", str(ports[0]), "--enable-metrics", "--enable-cache-report",
+            "--speed", str(args.speed),
+        ], stdout=subprocess.DEVNULL))
+        _wait_ready(f"http://127.0.0.1:{ports[-1]}/health", procs)
+    except BaseException:
+        _stop(procs)
+        raise
+    gateway_cmd = [sys.executable, "-m", "gateway", "--config", str(args.config)]
+    serve_until_stopped(gateway_cmd, gateway, f"{len(ports)} simulated SGLang workers", procs)
     return 0
 
 
