@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from loadtests.workloads.base import Workload
@@ -38,15 +39,17 @@ def _mooncake_synthetic(
     )
 
 
-WORKLOADS: Mapping[str, WorkloadFactory] = {
-    "generated-shared-prefix": generated_shared_prefix,
-    "multi-turn": multi_turn,
-    "multi-tenant": multi_tenant,
-    "mooncake": mooncake_trace,
-    "mooncake-conversation": mooncake_trace,
-    "mooncake-synthetic": _mooncake_synthetic,
-    "azure": azure_trace,
-}
+WORKLOADS: Mapping[str, WorkloadFactory] = MappingProxyType(
+    {
+        "generated-shared-prefix": generated_shared_prefix,
+        "multi-turn": multi_turn,
+        "multi-tenant": multi_tenant,
+        "mooncake": mooncake_trace,
+        "mooncake-conversation": mooncake_trace,
+        "mooncake-synthetic": _mooncake_synthetic,
+        "azure": azure_trace,
+    }
+)
 
 
 def workload_names() -> list[str]:
