@@ -22,8 +22,10 @@ Definitions (``../shared/docs/PERFORMANCE.md`` §1):
   prompt order, so a child's next use is always later than its parent's: children are
   evicted before parents and the resident set stays prefix-closed. With unit block sizes
   this is the optimal offline policy (the tests check it against exhaustive search); with
-  variable sizes (the last, partial block of a prompt) it is Belady's rule, which is within
-  one block per eviction of optimal.
+  variable sizes (the last, partial block of a prompt) it is Belady's rule, a heuristic
+  (the exact optimum with sizes is NP-hard) that the tests check never exceeds the
+  exhaustive optimum; on the traces only the last block of a prompt is short, so the gap
+  is small, but strictly it is then an estimate of the bound, not a proof.
 * ``lru_pooled``: one LRU cache of ``capacity_tokens``, demand admission of every block.
   Within a request recency is refreshed deepest block first, so a parent is always more
   recent than its children and eviction removes leaves first, as SGLang's radix cache does.
