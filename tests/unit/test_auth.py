@@ -1,0 +1,82 @@
+"""Client and admin keys: sources, scopes, 401 versus 403, principals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.auth import Authenticator, collect_keys, path_scope
+from gateway.errors import GatewayError
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_scopes() -> None:
+    for path in (
+        "/workers",
+        "/workers/abc/drain",
+        "/add_worker",
+        "/list_workers",
+        "/debug/index",
+        "/dashboard",
+        "/dashboard/data",
+        "/admin",
+    ):
+        assert path_scope(path) == "admin", path
+    for path in ("/health", "/readiness", "/metrics"):
+        assert path_scope(path) == "probe"
+    for path in ("/v1/chat/completions", "/generate", "/v1/models", "/workersx"):
+        assert path_scope(path) == "api"
+
+
+def test_keys_from_every_source(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nk-file-1\n\nk-file-2\n")
+    keys = collect_keys(
+        single="k-flag",
+        listed=["k-list", "k-flag"],
+        env_var="GW_KEYS",
+        file=str(f),
+        environ={"GW_KEYS": "k-env-1, k-env-2"},
+    )
+    assert keys == ("k-flag", "k-list", "k-env-1", "k-env-2", "k-file-1", "k-file-2")
+
+
+def test_unreadable_key_file_names_the_file_only(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot read API key file"):
+        collect_keys(file=str(tmp_path / "missing"))
+
+
+def test_open_without_keys() -> None:
+    assert Authenticator([]).check("/workers", {}) == "anonymous"
+
+
+def test_client_keys_and_admin_key() -> None:
+    auth = Authenticator(["c1", "c2"], ["adm"])
+    assert auth.check("/v1/chat/completions", _bearer("c2")) == "client-1"
+    assert auth.check("/v1/chat/completions", {"x-api-key": "c1"}) == "client-0"
+    assert auth.check("/workers", _bearer("adm")) == "admin"
+    assert auth.check("/health", {}) == "anonymous"
+    cases = [
+        ("/v1/chat/completions", {}, 401),
+        ("/v1/chat/completions", _bearer("nope"), 401),
+        ("/workers", {}, 401),
+        ("/workers", _bearer("nope"), 401),
+        ("/workers", _bearer("c1"), 403),
+        ("/debug/decisions", _bearer("c1"), 403),
+    ]
+    for path, headers, status in cases:
+        with pytest.raises(GatewayError) as err:
+            auth.check(path, headers)
+        assert err.value.status == status, (path, headers)
+
+
+def test_admin_falls_back_to_client_keys_and_probes_can_be_keyed() -> None:
+    auth = Authenticator(["c1"], protect_probes=True)
+    assert auth.check("/workers", _bearer("c1")) == "client-0"
+    with pytest.raises(GatewayError) as err:
+        auth.check("/metrics", {})
+    assert err.value.status == 401
