@@ -6,8 +6,15 @@ Contract:
 - ``failure_threshold`` consecutive failures set ``HealthFlag.CHECK_FAILED``;
   ``success_threshold`` consecutive passes clear it. A newly added worker carries
   ``HealthFlag.UNCHECKED`` until its first pass (one pass suffices: nothing was known).
-- After a pass, a worker whose metadata is unknown has its ``/server_info`` read (model,
-  ``max_total_num_tokens``, page size) and ``on_metadata`` listeners are told.
+- The probe path, and where metadata is read, depend on the worker's kind
+  (``gateway.worker_kinds``). After a pass, a worker whose metadata is unknown has it read
+  (SGLang ``/server_info``: model, ``max_total_num_tokens``, page size; llama.cpp
+  ``/props``: slots and context) and ``on_metadata`` listeners are told.
+- A worker of unknown kind (``auto``) is identified once it answers anything: by the
+  probe's ``Server: llama.cpp`` header, else by the first of SGLang ``/server_info``,
+  llama.cpp ``/props``, ``/v1/models`` (``owned_by``) that parses; its metadata comes from
+  that same answer. Until then it is treated as SGLang; it is probed again at once with
+  its own kind's path if the first probe failed.
 - :meth:`HealthChecker.check_now` probes one worker at once (used when a worker is added).
 """
 
@@ -24,10 +31,17 @@ import orjson
 
 from gateway.config import HealthConfig
 from gateway.registry import HealthFlag, Worker, WorkerMetadata, WorkerRegistry
+from gateway.worker_kinds import (
+    LLAMACPP,
+    OPENAI,
+    SGLANG,
+    WorkerKind,
+    kind_from_models,
+    kind_from_server_header,
+    kind_named,
+)
 
 log = logging.getLogger(__name__)
-
-_INFO_PATHS = ("/server_info", "/get_server_info")
 
 
 def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
@@ -66,21 +80,25 @@ class HealthChecker:
             await asyncio.sleep(self._config.interval_s)
 
     async def check_now(self, worker: Worker) -> bool:
-        ok = await self._probe(worker)
-        self.record(worker, ok)
-        if ok and worker.metadata.model is None:
+        ok, server = await self._probe(worker)
+        if server is not None and not worker.kind_known:
+            learned = await self.refresh_metadata(worker, server)  # discovers the kind
+            if learned and not ok:
+                ok, server = await self._probe(worker)  # with its own kind's path
+        elif ok and worker.metadata.model is None:
             await self.refresh_metadata(worker)
+        self.record(worker, ok)
         return ok
 
-    async def _probe(self, worker: Worker) -> bool:
+    async def _probe(self, worker: Worker) -> tuple[bool, str | None]:
+        """(passed, the answer's ``Server`` header: "" if absent, None if no answer)."""
+        path = kind_named(worker.kind).health_path(self._config.endpoint)
         try:
-            async with self._session.get(
-                worker.url + self._config.endpoint, timeout=self._timeout
-            ) as resp:
+            async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
                 await resp.read()
-                return resp.status == 200
+                return resp.status == 200, resp.headers.get("Server", "")
         except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
+            return False, None
 
     def record(self, worker: Worker, ok: bool) -> None:
         """Count one probe result; flip the flag after enough consecutive ones."""
@@ -117,17 +135,41 @@ class HealthChecker:
         for hook in self.on_flip:
             hook(worker, passing)
 
-    async def refresh_metadata(self, worker: Worker) -> None:
-        for path in _INFO_PATHS:
-            with contextlib.suppress(
-                aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError
-            ):
-                async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
-                    if resp.status != 200:
-                        continue
-                    info = orjson.loads(await resp.read())
-                if isinstance(info, dict):
-                    worker.metadata = parse_server_info(info)
-                    for listener in self.on_metadata:
-                        listener(worker)
-                    return
+    async def refresh_metadata(self, worker: Worker, server: str | None = None) -> bool:
+        """Read the worker's metadata (and, for an unknown kind, discover it; see module);
+        True when it was read."""
+        if worker.kind_known:
+            kinds = [kind_named(worker.kind)]
+        else:
+            hinted = kind_from_server_header(server)
+            kinds = [kind_named(k) for k in ((hinted,) if hinted else (SGLANG, LLAMACPP, OPENAI))]
+        for kind in kinds:
+            for path in kind.info_paths:
+                body = await self._get_json(worker, path)
+                if body is None:
+                    continue
+                if not worker.kind_known and kind.name == OPENAI:
+                    kind = kind_named(kind_from_models(body))  # vllm, llamacpp or openai
+                metadata = kind.parse_info(path, body)
+                if metadata is not None:
+                    self._learned(worker, kind, metadata)
+                    return True
+        return False
+
+    async def _get_json(self, worker: Worker, path: str) -> object | None:
+        with contextlib.suppress(
+            aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError
+        ):
+            async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
+                if resp.status == 200:
+                    body: object = orjson.loads(await resp.read())
+                    return body
+        return None
+
+    def _learned(self, worker: Worker, kind: WorkerKind, metadata: WorkerMetadata) -> None:
+        if not worker.kind_known:
+            log.info("worker %s is of kind %s (discovered)", worker.url, kind.name)
+            worker.kind, worker.kind_known = kind.name, True
+        worker.metadata = metadata
+        for listener in self.on_metadata:
+            listener(worker)

@@ -1,9 +1,11 @@
 """Engine load polling: each worker's own queue and KV figures → ``policies.base.EngineLoad``.
 
-Contract: every ``poll_interval_s`` each worker is asked, in order of preference,
-``/v1/loads`` (SGLang ≥ 0.5.9), ``/get_load`` (≤ 0.5.18; gone in 0.5.23), then
-``/metrics`` (needs ``--enable-metrics``). The first endpoint that answers 200 with a
-shape we understand is remembered per worker; a 404 or an unknown shape moves to the next.
+Contract: every ``poll_interval_s`` each worker is asked its kind's load paths in order
+of preference (``gateway.worker_kinds``): for SGLang ``/v1/loads`` (≥ 0.5.9),
+``/get_load`` (≤ 0.5.18; gone in 0.5.23), then ``/metrics`` (needs ``--enable-metrics``);
+llama.cpp ``/metrics`` then ``/slots``; vLLM ``/metrics``; a generic OpenAI server none.
+The first endpoint that answers 200 with a shape we understand is remembered per worker
+(and kind); a 404 or an unknown shape moves to the next.
 Connection errors leave the last figures in place (their age grows; policies see it).
 Multiple data-parallel ranks are summed (requests, tokens) or maxed (token usage).
 """
@@ -20,9 +22,8 @@ import orjson
 
 from gateway.config import LoadConfig
 from gateway.registry import Worker, WorkerRegistry
+from gateway.worker_kinds import LoadReading, kind_named
 from policies.base import EngineLoad
-
-_ENDPOINTS = ("/v1/loads", "/get_load", "/metrics")
 
 
 def _num(entry: Mapping[str, Any], key: str) -> float:
@@ -94,6 +95,21 @@ def parse_metrics(text: str) -> EngineLoad | None:
     )
 
 
+def parse_sglang_load(path: str, raw: bytes) -> LoadReading | None:
+    """An SGLang load answer (``/v1/loads``, ``/get_load`` or ``/metrics``) → (load,
+    capacity in tokens if told), or None if not a shape we understand."""
+    if path == "/metrics":
+        metrics = parse_metrics(raw.decode("utf-8", "replace"))
+        return None if metrics is None else (metrics, None)
+    with contextlib.suppress(orjson.JSONDecodeError):
+        body = orjson.loads(raw)
+        if path == "/get_load":
+            load = parse_get_load(body)
+            return None if load is None else (load, None)
+        return parse_v1_loads(body)
+    return None
+
+
 class LoadPoller:
     def __init__(
         self,
@@ -106,7 +122,8 @@ class LoadPoller:
         self._registry = registry
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._endpoint: dict[str, int] = {}  # worker id → index into _ENDPOINTS
+        # worker id → (kind, index into that kind's load paths)
+        self._endpoint: dict[str, tuple[str, int]] = {}
         self.on_capacity: list[Callable[[Worker], None]] = []
 
     async def run(self) -> None:
@@ -120,17 +137,21 @@ class LoadPoller:
         self._endpoint.pop(worker.id, None)
 
     async def poll(self, worker: Worker) -> None:
-        start = self._endpoint.get(worker.id, 0)
-        for index in range(start, len(_ENDPOINTS)):
-            result = await self._read(worker, _ENDPOINTS[index])
+        kind = kind_named(worker.kind)
+        paths = kind.load_paths
+        remembered, start = self._endpoint.get(worker.id, (kind.name, 0))
+        if remembered != kind.name:
+            start = 0  # its kind was discovered since
+        for index in range(start, len(paths)):
+            result = await self._read(worker, paths[index])
             if result is _UNREACHABLE:
                 return
             if isinstance(result, EngineLoad):
-                self._endpoint[worker.id] = index
+                self._endpoint[worker.id] = (kind.name, index)
                 worker.engine_load = result
                 worker.load_read_at = self._registry.clock()
                 return
-        self._endpoint[worker.id] = len(_ENDPOINTS)  # nothing usable: stop asking
+        self._endpoint[worker.id] = (kind.name, len(paths))  # nothing usable: stop asking
 
     async def _read(self, worker: Worker, path: str) -> EngineLoad | object | None:
         try:
@@ -140,22 +161,15 @@ class LoadPoller:
                 raw = await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError):
             return _UNREACHABLE
-        if path == "/metrics":
-            return parse_metrics(raw.decode("utf-8", "replace"))
-        with contextlib.suppress(orjson.JSONDecodeError):
-            body = orjson.loads(raw)
-            if path == "/get_load":
-                return parse_get_load(body)
-            parsed = parse_v1_loads(body)
-            if parsed is None:
-                return None
-            load, capacity = parsed
-            if capacity and worker.metadata.capacity_tokens is None:
-                worker.metadata.capacity_tokens = capacity
-                for listener in self.on_capacity:
-                    listener(worker)
-            return load
-        return None
+        parsed = kind_named(worker.kind).parse_load(path, raw)
+        if parsed is None:
+            return None
+        load, capacity = parsed
+        if capacity and worker.metadata.capacity_tokens is None:
+            worker.metadata.capacity_tokens = capacity
+            for listener in self.on_capacity:
+                listener(worker)
+        return load
 
 
 _UNREACHABLE = object()

@@ -39,11 +39,12 @@ class HealthFlag(enum.Enum):
 
 @dataclass(slots=True)
 class WorkerMetadata:
-    """What the worker tells about itself in ``/server_info``."""
+    """What the worker tells about itself (read per kind: ``gateway.worker_kinds``)."""
 
     model: str | None = None
     capacity_tokens: int | None = None  # max_total_num_tokens
     page_size: int | None = None
+    max_sequences: int | None = None  # prompts it keeps cached when slots bind (llama.cpp)
 
 
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -75,6 +76,8 @@ class Worker:
         "health_successes",
         "id",
         "in_flight",
+        "kind",
+        "kind_known",
         "last_ejected_at",
         "load_read_at",
         "metadata",
@@ -83,9 +86,12 @@ class Worker:
         "url",
     )
 
-    def __init__(self, url: str, now: float) -> None:
+    def __init__(self, url: str, now: float, kind: str | None = None) -> None:
         self.url = url
         self.id = worker_id_for(url)
+        # gateway.worker_kinds name; until an unknown kind is discovered, SGLang's ways
+        self.kind = kind or "sglang"
+        self.kind_known = kind is not None
         self.added_at = now
         self.flags: set[HealthFlag] = {HealthFlag.UNCHECKED}
         self.in_flight = 0
@@ -143,6 +149,7 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "model": self.metadata.model,
+            "kind": self.kind if self.kind_known else None,
             "healthy": self.healthy,
             "routable": self.healthy,
             "flags": sorted(f.value for f in self.flags),
@@ -153,6 +160,7 @@ class Worker:
             "decoding_requests": self.decoding_requests,
             "capacity_tokens": self.metadata.capacity_tokens,
             "page_size": self.metadata.page_size,
+            "max_sequences": self.metadata.max_sequences,
             "times_ejected": self.times_ejected,
             "ejected_for_s": max(0.0, self.ejected_until - now)
             if HealthFlag.EJECTED in self.flags
@@ -191,13 +199,14 @@ class WorkerRegistry:
     def on_removed(self, listener: Callable[[Worker], None]) -> None:
         self._removed_listeners.append(listener)
 
-    def add(self, url: str) -> tuple[Worker, bool]:
-        """Register ``url`` (already validated); returns (worker, created)."""
+    def add(self, url: str, kind: str | None = None) -> tuple[Worker, bool]:
+        """Register ``url`` (already validated) of ``kind`` (None: discover it); returns
+        (worker, created)."""
         wid = worker_id_for(url)
         existing = self._workers.get(wid)
         if existing is not None:
             return existing, False
-        worker = Worker(url, self.clock())
+        worker = Worker(url, self.clock(), kind)
         self._workers[wid] = worker
         for listener in self._added_listeners:
             listener(worker)
