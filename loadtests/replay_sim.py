@@ -173,6 +173,8 @@ class Simulation:
         return views, matches
 
     def _select(self, route: RouteRequest, views: list[WorkerView]) -> Decision:
+        if len(views) == 1 and not self.policy.uses_prefix_match:
+            return Decision(views[0].id, "only_candidate")  # as gateway.router does
         ctx = RouteContext(
             prompt_tokens=route.prompt_tokens,
             candidates=views,
