@@ -26,6 +26,17 @@ Flags of sglang-router and their meaning here:
   ``max_idle_s`` seconds (entries that old are the first an engine under pressure evicts,
   and the ones a restarted engine has lost).
 
+Sequence bound (optional, per worker: ``set_capacity(..., max_sequences=n)``): a worker
+that keeps a fixed number of prompts rather than tokens (llama.cpp with its RAM prompt
+cache off keeps one per slot) is also bounded by ``n`` *sequences*: the chains recorded
+there, kept in an LRU keyed by their last block. A new chain takes over the held one with
+which it shares the longest prefix when that exceeds ``_REUSE_SHARE`` of its blocks
+(llama.cpp reuses the slot most similar to the prompt, above 10 %), else it is added and
+the least recently used chain is evicted beyond ``n``. A chain dropped so loses only its
+blocks beyond what the worker's other chains share with it. Such a worker holds the very
+prompt it just answered, so ``correct`` does not trim it (the reports still count in the
+fidelity figures); a shortfall there means a slot was taken over, which the bound models.
+
 Recording order and invariant: a prompt's blocks are touched deepest first, so its first
 block is the most recently used and LRU eviction removes a chain from its tail, as the
 engine's radix cache evicts leaves first. Hence each worker's believed blocks are
@@ -63,6 +74,15 @@ from functools import partial
 APPROX_BYTES_PER_BLOCK = 190
 # Bound on remembered recent insertion points per worker (one per recording, not per block).
 _MAX_FRESH = 4096
+# A chain takes over a held one sharing more than this share of its blocks (llama.cpp's
+# default slot_prompt_similarity).
+_REUSE_SHARE = 0.1
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading blocks two chains share; chained hashes make equality prefix-closed."""
+    n = min(len(a), len(b))
+    return bisect_left(range(n), True, key=lambda i: a[i] != b[i])
 
 
 def _loses_any(get: Callable[[int, int], int], hashes: Sequence[int], alive: int, i: int) -> bool:
@@ -87,6 +107,9 @@ class _WorkerBlocks:
     fresh: OrderedDict[int, float] = field(default_factory=OrderedDict)
     predicted_tokens: int = 0
     reported_tokens: int = 0
+    max_sequences: int | None = None  # None: bounded by blocks only
+    # last block of each held chain -> the chain (LRU: front = least recently recorded)
+    sequences: OrderedDict[int, tuple[int, ...]] = field(default_factory=OrderedDict)
 
 
 class PrefixIndex:
@@ -120,15 +143,32 @@ class PrefixIndex:
 
     # --- configuration ---------------------------------------------------------------
 
-    def set_capacity(self, worker_id: str, capacity_tokens: int) -> None:
+    def set_capacity(
+        self, worker_id: str, capacity_tokens: int, max_sequences: int | None = None
+    ) -> None:
         """Bound the worker's LRU from its ``max_total_num_tokens``.
 
         blocks = ceil(capacity_tokens / block_tokens): e.g. 420,000 tokens / 16 = 26,250
         blocks; capped by ``max_blocks_per_worker``. Shrinking evicts at once.
+        ``max_sequences`` (> 0) also bounds it by chains (see "Sequence bound"); setting it
+        on a worker whose blocks were recorded without the bound forgets those blocks (no
+        chain is known for them), and None removes the bound.
         """
         state = self._state(worker_id)
         state.capacity = self._cap(max(1, math.ceil(capacity_tokens / self._block_tokens)))
         self._evict_over_capacity(state)
+        if max_sequences is not None and max_sequences <= 0:
+            raise ValueError("max_sequences must be positive")
+        if max_sequences is not None and state.max_sequences is None:
+            for h in state.lru:
+                self._clear(h, state.bit)
+            state.lru.clear()
+            state.fresh.clear()
+        elif max_sequences is None:
+            state.sequences.clear()
+        state.max_sequences = max_sequences
+        while max_sequences is not None and len(state.sequences) > max_sequences:
+            self._drop_sequence(state, next(iter(state.sequences)))
 
     def _cap(self, blocks: int) -> int:
         return blocks if self._max_blocks is None else min(blocks, self._max_blocks)
@@ -200,7 +240,36 @@ class PrefixIndex:
             state.fresh[first_new] = t
             state.fresh.move_to_end(first_new)
         self._prune_fresh(state, t)
+        if state.max_sequences is not None:
+            self._hold_sequence(state, tuple(block_hashes), state.max_sequences)
         self._evict_over_capacity(state)
+
+    def _hold_sequence(self, state: _WorkerBlocks, chain: tuple[int, ...], bound: int) -> None:
+        """Track ``chain`` among the worker's held chains (see "Sequence bound")."""
+        sequences, leaf = state.sequences, chain[-1]
+        if leaf in sequences:
+            sequences.move_to_end(leaf)
+            return
+        replaced, shared = None, 0
+        for key, held in sequences.items():
+            common = _common_prefix(held, chain)
+            if common > shared:
+                replaced, shared = key, common
+        sequences[leaf] = chain
+        if replaced is not None and shared > _REUSE_SHARE * len(chain):
+            self._drop_sequence(state, replaced)
+        while len(sequences) > bound:
+            self._drop_sequence(state, next(iter(sequences)))
+
+    def _drop_sequence(self, state: _WorkerBlocks, leaf: int) -> None:
+        """Forget one held chain's blocks beyond what the other held chains share."""
+        chain = state.sequences.pop(leaf)
+        keep = max((_common_prefix(chain, other) for other in state.sequences.values()), default=0)
+        lru = state.lru
+        for h in chain[keep:]:
+            if lru.pop(h, None) is not None:
+                state.fresh.pop(h, None)
+                self._clear(h, state.bit)
 
     def _prune_fresh(self, state: _WorkerBlocks, now: float) -> None:
         fresh, horizon = state.fresh, now - self._grace_s
@@ -247,6 +316,8 @@ class PrefixIndex:
         reported_tokens = max(0, reported_tokens)
         state.predicted_tokens += int(predicted_blocks * self._block_tokens)
         state.reported_tokens += reported_tokens
+        if state.max_sequences is not None:
+            return  # it holds this prompt now; a lost slot is the sequence bound's part
         real = reported_tokens / self._block_tokens
         keep = int(real * (1.0 + self._tolerance))
         if keep >= predicted_blocks:
