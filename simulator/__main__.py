@@ -78,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="tokens before EOS when a request sets no limit (default 128)",
     )
+    add(
+        "--kv-events-config",
+        default=None,
+        help='KV events JSON as SGLang, e.g. \'{"publisher":"zmq","endpoint":"tcp://*:5557",'
+        '"replay_endpoint":"tcp://*:6557"}\'; worker i publishes on port+i',
+    )
+    add(
+        "--kv-events-legacy-array",
+        action="store_true",
+        help="publish the <=0.5.18 tagged-array event encoding (default: 0.5.23 maps)",
+    )
     faults = parser.add_argument_group("faults (for tests)")
     faults.add_argument("--error-rate", type=float, default=0.0, help="fraction answered 5xx")
     faults.add_argument("--error-status", type=int, default=500, help="status of those errors")
@@ -107,6 +118,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         schedule_policy=args.schedule_policy,
         api_key=args.api_key,
         natural_output_tokens=args.natural_output_tokens,
+        kv_events_config=args.kv_events_config,
+        kv_events_legacy_array=args.kv_events_legacy_array,
         faults=Faults(
             error_rate=args.error_rate,
             error_status=args.error_status,

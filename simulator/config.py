@@ -37,6 +37,10 @@ class SimConfig:
     natural_output_tokens: int = 128
     health_check_timeout_s: float = 20.0
     faults: Faults = field(default_factory=Faults)
+    # SGLang's --kv-events-config JSON (None: no events); worker i adds i to its ports
+    kv_events_config: str | None = None
+    # publish the <=0.5.18 tagged-array event encoding instead of 0.5.23's tagged maps
+    kv_events_legacy_array: bool = False
 
     def resolved_profile(self) -> Profile:
         return get_profile(self.profile)
@@ -59,3 +63,7 @@ class SimConfig:
             raise ValueError("schedule_policy must be 'fcfs' or 'lpm'")
         self.resolved_profile()
         self.faults.validate()
+        if self.kv_events_config is not None:
+            from simulator.kv_events import KVEventsConfig  # needs the kv-events extra
+
+            KVEventsConfig.from_json(self.kv_events_config)

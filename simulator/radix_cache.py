@@ -145,6 +145,9 @@ class CacheListener(Protocol):
     def on_cleared(self) -> None:
         """The whole tree was dropped (flush)."""
 
+    # Optional: ``on_split(upper, lower)`` is called, when the listener defines it, after
+    # a node was cut in two (``upper`` is new and holds the first part of the edge).
+
 
 class RadixCache:
     """The radix tree plus the KV pool accounting of one worker (see module docstring)."""
@@ -355,6 +358,9 @@ class RadixCache:
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
         self._num_nodes += 1
+        on_split = getattr(self.listener, "on_split", None)  # optional hook (KV events)
+        if on_split is not None:
+            on_split(upper, child)
         return upper
 
     # ------------------------------------------------------------------ locks

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import xxhash
@@ -43,6 +43,9 @@ from simulator.driver import ModelDriver, RequestHandle
 from simulator.faults import Faults
 from simulator.model import Finish, RequestOutput, SimRequest, WorkerModel
 from simulator.tokenizer import SimTokenizer, default_tokenizer
+
+if TYPE_CHECKING:
+    from simulator.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -104,7 +107,9 @@ class SimulatedWorker:
         self.model: str = config.model_name
         self.profile = config.resolved_profile()
         self.context_length = config.context_length or self.profile.context_length
-        self.engine = WorkerModel.from_config(config)
+        self.kv_events = self._kv_publisher(config, index)
+        listener = self.kv_events.recorder if self.kv_events is not None else None
+        self.engine = WorkerModel.from_config(config, listener=listener)
         self.faults: Faults = dataclasses.replace(config.faults)
         self.stats = SimStats()
         self.request_metrics = metrics.RequestMetrics()
@@ -117,6 +122,20 @@ class SimulatedWorker:
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
+    @staticmethod
+    def _kv_publisher(config: SimConfig, index: int) -> KVEventPublisher | None:
+        """The KV event publisher when ``kv_events_config`` enables one (ports + index)."""
+        if config.kv_events_config is None:
+            return None
+        from simulator.kv_events import KVEventPublisher, KVEventsConfig  # optional extra
+
+        kv_config = KVEventsConfig.from_json(config.kv_events_config)
+        if not kv_config.enabled:
+            return None
+        return KVEventPublisher(
+            kv_config, config.page_size, offset=index, legacy_array=config.kv_events_legacy_array
+        )
+
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -128,6 +147,8 @@ class SimulatedWorker:
 
     async def start(self) -> None:
         """Listen on ``host:port`` (0: an ephemeral port, then ``self.port`` is set)."""
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._driver = ModelDriver(self.engine, self.config.speed, self._observe)
         self._driver.start()
         server = web.Server(self._dispatch, handler_cancellation=True, access_log=None)
@@ -157,6 +178,8 @@ class SimulatedWorker:
         if runner is not None:
             await runner.cleanup()
         self._runner = None
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     # ------------------------------------------------------------------ routing
     def _build_routes(self) -> dict[str, dict[str, Handler]]:
@@ -881,7 +904,7 @@ class SimulatedWorker:
             "enable_metrics": cfg.enable_metrics,
             "decode_log_interval": 40,
             "stream_interval": 1,
-            "kv_events_config": None,
+            "kv_events_config": cfg.kv_events_config,
             "api_key": None,
             "random_seed": cfg.seed,
             "disaggregation_mode": "null",
@@ -921,7 +944,7 @@ class SimulatedWorker:
                 "version": SGLANG_VERSION,
                 "frontend": "python",
                 "launch_command": " ".join(shlex.quote(a) for a in sys.argv),
-                "kv_events": None,
+                "kv_events": self.kv_events.descriptor() if self.kv_events else None,
             }
         )
 
