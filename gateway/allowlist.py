@@ -67,7 +67,7 @@ async def system_resolve(host: str) -> Sequence[str]:
 
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
+    except (OSError, UnicodeError):  # unresolvable, or not even a valid IDNA name
         return ()
     return [str(info[4][0]) for info in infos]
 
