@@ -1,0 +1,70 @@
+"""Connection limits (``gateway.connguard``): a cap on open connections answered with a
+503 JSON error, and slowloris clients (a request head that never ends) cut off."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from gateway.connguard import ConnectionGuard, GuardedSite
+
+
+async def _ok(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@pytest.fixture
+async def guarded() -> AsyncIterator[tuple[ConnectionGuard, int]]:
+    app = web.Application()
+    app.router.add_get("/", _ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    guard = ConnectionGuard(max_connections=3, header_timeout_s=0.5)
+    site = GuardedSite(runner, "127.0.0.1", 0, guard)
+    await site.start()
+    port = int(runner.addresses[0][1])
+    try:
+        yield guard, port
+    finally:
+        await runner.cleanup()
+
+
+async def _get(port: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    return data
+
+
+async def test_over_the_cap_is_503_then_room_again(
+    guarded: tuple[ConnectionGuard, int], eventually
+) -> None:
+    guard, port = guarded
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+    await eventually(lambda: guard.open == 3, 5, "three connections counted")
+    answer = await _get(port)
+    assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer
+    assert b'"code":503' in answer and guard.refused == 1
+    for _, writer in idle:
+        writer.close()
+    await eventually(lambda: guard.open == 0, 5, "closed connections uncounted")
+    assert (await _get(port)).startswith(b"HTTP/1.1 200")
+
+
+async def test_slowloris_is_cut_off(guarded: tuple[ConnectionGuard, int], eventually) -> None:
+    guard, port = guarded
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+    for _ in range(3):
+        await asyncio.sleep(0.1)
+        writer.write(b"X-Slow: 1\r\n")
+    data = await asyncio.wait_for(reader.read(), 5)  # closed by the gateway
+    assert data == b""
+    assert guard.timed_out == 1
+    await eventually(lambda: guard.open == 0, 5, "the slow connection uncounted")
+    writer.close()
+    assert (await _get(port)).startswith(b"HTTP/1.1 200")  # whole heads still pass
