@@ -365,7 +365,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--profile", default="llama3-8b-h100")
     p.add_argument(
-        "--speed", type=float, default=4.0, help="simulator speed (modelled s per wall s)"
+        "--speed", type=float, default=2.0, help="simulator speed (modelled s per wall s)"
     )
     p.add_argument("--capacity-tokens", type=int, default=32768, help="KV tokens per worker")
     p.add_argument("--max-running-requests", type=int, default=32)
