@@ -141,9 +141,9 @@ class GuardedSite(web.BaseSite):
         guard: ConnectionGuard,
         *,
         backlog: int = 2048,
-        shutdown_timeout: float = 60.0,
     ) -> None:
-        super().__init__(runner, backlog=backlog, shutdown_timeout=shutdown_timeout)
+        # the shutdown grace is the runner's (web.AppRunner(shutdown_timeout=...))
+        super().__init__(runner, backlog=backlog)
         self._guard_host = host
         self._guard_port = port
         self.guard = guard
