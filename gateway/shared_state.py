@@ -23,12 +23,14 @@ Contract:
   prefill tokens, decoding) to a hash of its own with ``PEXPIRE load_ttl_s`` and reads its
   live peers' hashes; the fleet target receives the sum over peers. A gateway that stops
   publishing disappears from the sum when its hash expires.
-- **Worker set.** A hash ``url → active|draining`` plus a version counter. Local admin
-  changes are queued and written, the version bumped; every tick the version is read and
-  on change the hash is applied to the local registry (adds, drains, removals). The first
-  gateway to find no worker set (new deployment, or Redis restarted empty) seeds it from
-  its own workers; afterwards the shared set wins, also over a restarted gateway's
-  ``--worker-urls``.
+- **Worker set.** A hash ``url → state`` (opaque to this module; the fleet target puts
+  ``active``/``draining`` and the worker kind there) plus a version counter. Every tick
+  the local set is compared with the set last written or applied; differences (admin
+  adds, removals, drains on this gateway, also those made while Redis was down) are
+  written and the version bumped. When the version changed, the shared hash is applied
+  to the local registry. The first gateway to find no worker set (new deployment, or
+  Redis restarted empty) seeds it from its own workers; afterwards the shared set wins,
+  also over a restarted gateway's ``--worker-urls``.
 
 Keys (all under the hash tag ``{prefix}``, so a Redis Cluster keeps them in one slot):
 ``{p}:index`` (stream), ``{p}:snapshot`` (hash: data, pos), ``{p}:load:<gateway>``
@@ -181,8 +183,8 @@ class SharedState:
         self._rng = rng or random.Random()
         # (worker id, last block hash) → (hashes, wall time first queued)
         self._pending: dict[tuple[str, int], tuple[Sequence[int], float]] = {}
-        self._ops: deque[tuple[str, str]] = deque()  # (url, state or "" for removal)
-        self._applying = False
+        # the worker set as last written or applied; None before the first sync
+        self._known: dict[str, str] | None = None
         self._cursor: bytes | None = None
         self._version: bytes | None = None
         self._peers: list[bytes] = []
@@ -191,14 +193,20 @@ class SharedState:
             0.5 + self._rng.random()
         )
         self.degraded = True  # until the first synchronisation succeeds
-        self.dropped: dict[str, int] = {"records": 0, "workers": 0}
+        self.dropped: dict[str, int] = {"records": 0}
         self.published_records = 0
         self.applied_records = 0
         self.reconnects = 0
         self.lag = HistogramChild(LAG_BUCKETS)
+        self.lag_bounds = LAG_BUCKETS
         self.lag_samples: deque[float] = deque(maxlen=4096)  # recent, for benchmarks
         self.synced = asyncio.Event()
         self._stopping = asyncio.Event()
+
+    @property
+    def peer_count(self) -> int:
+        """Other gateways seen in the last round trip."""
+        return len(self._peers)
 
     # --- the gateway side: synchronous, O(1) ---------------------------------------
 
@@ -214,15 +222,6 @@ class SharedState:
             self.dropped["records"] += 1
             return
         pending[key] = (block_hashes, self._wall())
-
-    def worker_changed(self, url: str, state: str | None) -> None:
-        """A local admin change: ``state`` active/draining, None for a removal."""
-        if self._applying:
-            return  # applying the shared set: nothing new to tell
-        if len(self._ops) >= self.settings.queue_size:
-            self.dropped["workers"] += 1
-            return
-        self._ops.append((url, state or ""))
 
     # --- the background side -------------------------------------------------------
 
@@ -269,7 +268,8 @@ class SharedState:
 
     async def _sync(self, client: aioredis.Redis) -> None:
         """Worker set first (so ``knows`` is right), then the index catch-up."""
-        await self._flush_ops(client)
+        if self._known is not None:  # a reconnect: changes made meanwhile go out first
+            await self._publish_workers(client)
         if await client.get(self._keys.version) is None:
             await self._seed_workers(client)
         self._version = None
@@ -288,33 +288,51 @@ class SharedState:
         await pipe.execute()
         log.info("shared state: seeded the worker set with %d workers", len(states))
 
-    async def _flush_ops(self, client: aioredis.Redis) -> None:
-        if not self._ops:
+    def _local_changes(self) -> tuple[dict[str, str], dict[str, str]]:
+        """(local worker states, those that differ from the last written or applied)."""
+        local, known = self._fleet.worker_states(), self._known or {}
+        changed = {u: s for u, s in local.items() if known.get(u) != s}
+        changed.update({u: "" for u in known.keys() - local.keys()})  # "" = removed
+        return local, changed
+
+    async def _publish_workers(self, client: aioredis.Redis) -> None:
+        """Write local changes of the worker set (admin adds, removals, drains)."""
+        if self._known is None:
             return
-        ops = list(self._ops)
+        _, changed = self._local_changes()
+        if not changed:
+            return
         pipe = client.pipeline(transaction=True)
-        for url, state in ops:
+        for url, state in changed.items():
             if state:
                 pipe.hset(self._keys.workers, url, state)
             else:
                 pipe.hdel(self._keys.workers, url)
         pipe.incr(self._keys.version)
         await pipe.execute()
-        for _ in ops:
-            self._ops.popleft()
+        for url, state in changed.items():
+            if state:
+                self._known[url] = state
+            else:
+                self._known.pop(url, None)
 
     async def _read_workers(self, client: aioredis.Redis) -> None:
+        """On a new version, make the local set the shared one, except for local changes
+        made while the round trips ran (written at the next tick)."""
         version: Any = await client.get(self._keys.version)
         if version is not None and version == self._version:
             return
         raw: dict[Any, Any] = await client.hgetall(self._keys.workers)
         states = {k.decode(): v.decode() for k, v in raw.items()}
-        keep = frozenset(url for url, _ in self._ops)  # local changes not yet written
-        self._applying = True
-        try:
-            self._fleet.apply_workers(states, keep)
-        finally:
-            self._applying = False
+        known = self._known
+        pending = self._local_changes()[1] if known is not None else {}
+        self._fleet.apply_workers(states, frozenset(pending))
+        for url in pending:  # still differ from what was applied: written next tick
+            if known is not None and url in known:
+                states[url] = known[url]
+            else:
+                states.pop(url, None)
+        self._known = states
         self._version = version
 
     async def _trimmed_past(self, client: aioredis.Redis, cursor: bytes) -> bool:
@@ -367,7 +385,7 @@ class SharedState:
 
     async def _tick(self, client: aioredis.Redis) -> None:
         """One publish-and-read round trip (plus more reads when far behind)."""
-        await self._flush_ops(client)
+        await self._publish_workers(client)
         batch = self._take_batch()
         try:
             await self._publish_batch(client, batch)

@@ -64,7 +64,7 @@ class FakeFleet:
 
     def apply_workers(self, states: Mapping[str, str], keep: frozenset[str]) -> None:
         kept = {u: s for u, s in self.states.items() if u in keep}
-        self.states = {**dict(states), **kept}
+        self.states = {u: s for u, s in states.items() if u not in keep} | kept
 
     def knows(self, worker_id: str) -> bool:
         return worker_id.startswith("w")
@@ -161,11 +161,10 @@ async def test_worker_set_is_shared_and_persists(settings: SharedSettings) -> No
             # a seeded the set; b's own --worker-urls lose to it
             await eventually(lambda: fb.states == {"http://127.0.0.1:1": "active"})
             fa.states["http://127.0.0.1:2"] = "active"
-            a.worker_changed("http://127.0.0.1:2", "active")
-            a.worker_changed("http://127.0.0.1:1", "draining")
+            fa.states["http://127.0.0.1:1"] = "draining"
             await eventually(lambda: fb.states.get("http://127.0.0.1:2") == "active")
             await eventually(lambda: fb.states.get("http://127.0.0.1:1") == "draining")
-            b.worker_changed("http://127.0.0.1:2", None)
+            del fb.states["http://127.0.0.1:2"]
             await eventually(lambda: "http://127.0.0.1:2" not in fa.states)
     fresh = FakeFleet()
     c = SharedState(replace(settings, gateway_id="c"), FakeIndex(), fresh)
