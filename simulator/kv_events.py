@@ -28,11 +28,13 @@ past the high-water mark it drops, as SGLang's does); msgpack encoding is the on
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import contextlib
 import hashlib
 import struct
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,12 +108,27 @@ def salt_seed(salt: str) -> bytes:
     return hashlib.sha256(SALT_PREFIX + salt.encode()).digest()
 
 
-def page_digests(tokens: Sequence[int], page_size: int, prev: bytes | None) -> list[bytes]:
-    """SHA-256 chain over the full pages of ``tokens``, continuing from digest ``prev``."""
+def le_u32(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32 words (the bytes SGLang hashes)."""
+    arr = array.array("I" if array.array("I").itemsize == 4 else "L", tokens)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def page_digests(tokens: Sequence[int] | bytes, page_size: int, prev: bytes | None) -> list[bytes]:
+    """SHA-256 chain over the full pages of ``tokens``, continuing from digest ``prev``.
+
+    ``tokens`` may be given as little-endian u32 bytes already (a radix key on a
+    little-endian machine), which saves packing them again.
+    """
+    data = tokens if isinstance(tokens, bytes) else le_u32(tokens)
+    step = page_size * 4
+    sha = hashlib.sha256
     out: list[bytes] = []
-    for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
-        data = struct.pack(f"<{page_size}I", *tokens[start : start + page_size])
-        prev = hashlib.sha256(prev + data if prev is not None else data).digest()
+    for off in range(0, len(data) - len(data) % step, step):
+        chunk = data[off : off + step]
+        prev = sha(prev + chunk).digest() if prev is not None else sha(chunk).digest()
         out.append(prev)
     return out
 
@@ -264,7 +281,8 @@ class EventRecorder:
             prev = parent.meta[-1]
             parent_hash = self._published([prev], node.namespace)[0]
         tokens = node.token_ids()
-        digests = page_digests(tokens, self.page_size, prev)
+        key = node.key if sys.byteorder == "little" else tokens  # radix keys are native u32
+        digests = page_digests(key, self.page_size, prev)
         node.meta = digests
         event = BlockStored(
             self._published(digests, node.namespace),
