@@ -128,6 +128,14 @@ class FleetTarget(Protocol):
     def knows(self, worker_id: str) -> bool: ...
 
 
+def _reraise_cancellation(exc: BaseException) -> None:
+    """redis-py may turn a cancellation that lands mid-command into a connection error;
+    a cancelled task must still stop, so raise CancelledError again."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from exc
+
+
 class _Keys:
     def __init__(self, prefix: str) -> None:
         p = "{" + prefix + "}"
@@ -232,14 +240,17 @@ class SharedState:
         client = self._client_factory(self.settings)
         backoff = self.settings.backoff_min_s
         try:
-            while not self._stopping.is_set():
+            while not self._stop_requested():
                 try:
                     await self._sync(client)
                     self._set_degraded(False)
                     backoff = self.settings.backoff_min_s
                     while not await self._sleep(self.settings.tick_s):
                         await self._tick(client)
+                        if self._stop_requested():
+                            return
                 except _CONNECTION_ERRORS as exc:
+                    _reraise_cancellation(exc)
                     self._set_degraded(True)
                     log.warning("shared state: Redis unavailable (%s); retrying", exc)
                     await self._sleep(backoff * (0.5 + self._rng.random()))
@@ -249,15 +260,22 @@ class SharedState:
             with contextlib.suppress(*_CONNECTION_ERRORS):
                 await client.aclose()
 
+    def _stop_requested(self) -> bool:
+        """Asked to stop, or cancelled (also when redis-py swallowed the cancellation)."""
+        task = asyncio.current_task()
+        return self._stopping.is_set() or (task is not None and task.cancelling() > 0)
+
     def stop(self) -> None:
         """Ask :meth:`run` to return after its current round trip."""
         self._stopping.set()
 
     async def _sleep(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; True when asked to stop."""
+        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
-        return self._stopping.is_set()
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
+        return self._stop_requested()
 
     def _set_degraded(self, degraded: bool) -> None:
         if degraded and not self.degraded:
