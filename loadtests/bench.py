@@ -40,6 +40,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -197,6 +198,22 @@ def _setup_line(
     )
 
 
+def _code_state() -> str:
+    """The commit the gateway ran from, and whether its code had uncommitted edits."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "gateway", "policies"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "gateway code: not a git checkout"
+    edits = " with uncommitted edits in gateway/ or policies/" if dirty else ""
+    return f"gateway code: commit {head}{edits}"
+
+
 def goals(report: WorkloadReport) -> list[str]:
     """The issue's goals for min_ttft against sglang-router, checked on this run."""
     by = {r.contender: r for r in report.results}
@@ -295,6 +312,7 @@ def orchestrate(
             pngs += charts(report, out_dir)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
+    notes.append(_code_state())
     notes.append(
         f"load average (1 min) of the shared {os.cpu_count()}-core machine before / after: "
         f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"
