@@ -359,6 +359,11 @@ class RankFeed:
                 _topic, seq8, payload = (await self._sock.recv_multipart())[:3]
                 await self._on_message(_SEQ.unpack(seq8)[0], payload)
         finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the SUB socket (idempotent; ``run`` does it when cancelled)."""
+        if not self._sock.closed:
             self._sock.close(linger=0)
 
     async def _on_message(self, seq: int, payload: bytes) -> None:
@@ -494,7 +499,7 @@ class KVEventsManager:
                 await self._discovery
         for wid in list(self._states):
             await self._unsubscribe(wid)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     async def _discover_forever(self) -> None:
         while True:
@@ -562,6 +567,8 @@ class KVEventsManager:
         for task in state.tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for feed in state.feeds:
+            feed.close()  # a task cancelled before it ran never reached its finally
         state.tasks.clear()
         state.feeds.clear()
 

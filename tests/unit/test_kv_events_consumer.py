@@ -213,7 +213,7 @@ async def test_feed_catch_up_gap_replay_and_restart(publisher: KVEventPublisher)
         await feed._on_message(*seq5)  # seq not after last: a restart
         assert sink.resets == [0] and feed.restarts == 1
     finally:
-        feed._sock.close(linger=0)
+        feed.close()
         ctx.term()
 
 
@@ -230,7 +230,7 @@ async def test_feed_gap_without_replay_is_lost(publisher: KVEventPublisher) -> N
         await feed._on_message(*publisher._buffer[-1])
         assert sink.lost == [0] and feed.last_seq == 3
     finally:
-        feed._sock.close(linger=0)
+        feed.close()
         ctx.term()
 
 
