@@ -486,6 +486,7 @@ class KVEventsManager:
         self._ctx = zmq.asyncio.Context()
         self._states: dict[str, _WorkerState] = {}
         self._discovery: asyncio.Task[None] | None = None
+        self.fidelity: dict[tuple[str, str], Fidelity] = {}
 
     # lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -658,6 +659,19 @@ class KVEventsManager:
             hashes = self.request_hashes(ids, namespace, state.desc.block_size)
             self.predicted.record(worker_id, hashes, now)
 
+    def prepare(self, kind: str, body: bytes) -> ExactRequest:
+        """Tokenize a request once for matching and dispatch (``kind``: an ApiKind value)."""
+        ids, namespace = request_tokens(kind, body, self.tokenizer)
+        return ExactRequest(self, ids, namespace)
+
+    def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None:
+        """Fidelity: predicted vs reported cached tokens of one finished request."""
+        f = self.fidelity.setdefault((worker_id, mode), Fidelity())
+        f.requests += 1
+        f.predicted_tokens += predicted
+        f.true_predicted_tokens += min(predicted, reported)
+        f.reported_tokens += reported
+
     def describe(self) -> dict[str, Any]:
         """For the debug API: mode, blocks, feeds and delays per worker."""
         out: dict[str, Any] = {}
@@ -678,6 +692,38 @@ class KVEventsManager:
 
 
 Namespace = tuple[str | None, str | None, str | None]  # (LoRA, cache_salt, extra_key)
+
+
+@dataclass(slots=True)
+class Fidelity:
+    """Predicted vs reported cached tokens, cumulative, for one (worker, mode)."""
+
+    requests: int = 0
+    predicted_tokens: int = 0
+    true_predicted_tokens: int = 0  # Σ min(predicted, reported): precision numerator
+    reported_tokens: int = 0
+
+
+class ExactRequest:
+    """One request as exact mode sees it: its token ids and namespace, tokenized once."""
+
+    __slots__ = ("_mgr", "ids", "namespace")
+
+    def __init__(self, mgr: KVEventsManager, ids: list[int] | None, namespace: Namespace) -> None:
+        self._mgr, self.ids, self.namespace = mgr, ids, namespace
+
+    def match(self, worker_ids: Iterable[str]) -> dict[str, int]:
+        """Matched tokens of the workers in exact mode (others absent)."""
+        return self._mgr.match(self.ids, self.namespace, worker_ids)
+
+    def dispatched(self, worker_id: str) -> None:
+        self._mgr.dispatched(worker_id, self.ids, self.namespace)
+
+    def mode(self, worker_id: str) -> str:
+        return self._mgr.mode(worker_id)
+
+    def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None:
+        self._mgr.observe(worker_id, mode, predicted, reported)
 
 
 def request_tokens(

@@ -262,3 +262,22 @@ async def test_modes_degrade_after_silence_and_return() -> None:
             assert mgr.mode("w") == MODE_EXACT and mgr.match(_ids(8), NS0, ["w"]) == {"w": 0}
         finally:
             await mgr.close()
+
+
+async def test_prepared_request_and_fidelity() -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        mgr = KVEventsManager(KVEventsSettings(enabled=True), load_tokenizer("sim"), list, session)
+        try:
+            mgr._states["w"] = _WorkerState(desc=Descriptor("127.0.0.1", 1, "", 4, 1, None))
+            mgr._apply("w", 0, 0.0, [Stored([7], None, _ids(4), 4)])
+            req = mgr.prepare("generate", b'{"input_ids":[1,2,3,4,5,6,7,8,9]}')
+            assert req.match(["w", "other"]) == {"w": 4} and req.mode("other") == MODE_APPROXIMATE
+            req.dispatched("w")
+            assert req.match(["w"]) == {"w": 8}  # hybrid: its own blocks predicted
+            req.observe("w", MODE_EXACT, 8, 4)
+            f = mgr.fidelity[("w", MODE_EXACT)]
+            assert (f.requests, f.predicted_tokens, f.true_predicted_tokens) == (1, 8, 4)
+        finally:
+            await mgr.close()
