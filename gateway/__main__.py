@@ -28,6 +28,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "workers",
         {"nargs": "+", "metavar": "URL", "help": "worker URLs to register at start"},
     ),
+    "--worker-kind": (
+        "worker_kind",
+        {"help": "kind of a worker whose URL has no #kind (auto, sglang, llamacpp, ...)"},
+    ),
     "--policy": ("policy.name", {"help": "routing policy (default min_ttft); unknown → refused"}),
     "--cache-threshold": (
         "policy.cache_threshold",

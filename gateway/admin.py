@@ -1,9 +1,11 @@
 """Worker administration, compatible with sglang-router's API.
 
 Contract:
-- ``POST /workers {"url": ...}``: validates the URL (http/https, host, port; else 400),
-  registers the worker, probes it once at once, and answers 201 with its live state
-  (200 if it was already registered).
+- ``POST /workers {"url": ..., "kind": ...}``: validates the URL (http/https, host, port;
+  else 400) and the optional kind (``sglang``, ``llamacpp``, ``vllm``, ``openai``, ``auto``;
+  a ``url#kind`` suffix works too; absent: the ``worker_kind`` setting), registers the
+  worker, probes it once at once, and answers 201 with its live state (200 if it was
+  already registered).
 - ``GET /workers``: every worker's live state; ``GET /workers/{id}``: one (404 if unknown);
   ``DELETE /workers/{id}``: removes it (in-flight requests finish; the prefix index and
   cost model forget it). ``{id}`` may also be the worker's URL, percent-encoded.
@@ -23,6 +25,7 @@ from gateway import keys
 from gateway.config import validate_worker_url
 from gateway.errors import GatewayError
 from gateway.registry import HealthFlag, Worker
+from gateway.worker_kinds import configured_kind, parse_worker_spec
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -36,6 +39,20 @@ def _url_from(value: object) -> str:
         raise GatewayError(400, str(exc), param="url") from None
 
 
+def _spec_from(value: object, kind: object) -> tuple[str, str | None, bool]:
+    """(url, kind, kind given): ``value`` may end in ``#kind``; ``kind`` overrides it."""
+    spec = value if isinstance(value, str) else ""
+    if kind is not None:
+        if not isinstance(kind, str):
+            raise GatewayError(400, "'kind' must be a string", param="kind")
+        spec = f"{spec.partition('#')[0]}#{kind}"
+    try:
+        url, parsed = parse_worker_spec(spec) if spec else (value, None)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), param="kind") from None
+    return _url_from(url), parsed, "#" in spec
+
+
 def _worker(request: web.Request) -> Worker:
     wid = request.match_info["worker_id"]
     worker = request.app[keys.REGISTRY].find(wid)
@@ -44,10 +61,12 @@ def _worker(request: web.Request) -> Worker:
     return worker
 
 
-async def _add(request: web.Request, raw_url: object) -> web.Response:
-    url = _url_from(raw_url)
+async def _add(request: web.Request, raw_url: object, kind: object = None) -> web.Response:
+    url, parsed, given = _spec_from(raw_url, kind)
     app = request.app
-    worker, created = app[keys.REGISTRY].add(url)
+    if not given:
+        parsed = configured_kind(app[keys.CONFIG].worker_kind)
+    worker, created = app[keys.REGISTRY].add(url, parsed)
     if created:
         await app[keys.HEALTH].check_now(worker)
     return _json(worker.describe(time.monotonic()), 201 if created else 200)
@@ -60,7 +79,7 @@ async def post_workers(request: web.Request) -> web.Response:
         raise GatewayError(400, "request body is not valid JSON") from None
     if not isinstance(body, dict) or "url" not in body:
         raise GatewayError(400, "expected a JSON object with a 'url'", param="url")
-    return await _add(request, body["url"])
+    return await _add(request, body["url"], body.get("kind"))
 
 
 async def list_workers(request: web.Request) -> web.Response:

@@ -38,6 +38,7 @@ from gateway.telemetry import Telemetry, TelemetryConfig
 from gateway.telemetry_gateway import RegistrySnapshot, TelemetryHooks, telemetry_middleware
 from gateway.telemetry_tracing import TracingConfig
 from gateway.upstream import UpstreamPool
+from gateway.worker_kinds import configured_kind, parse_worker_spec
 from policies.base import Policy
 from policies.registry import POLICIES, create_policy
 
@@ -73,8 +74,9 @@ def build_app(
         middlewares=[server.make_middleware(config), telemetry_middleware(telemetry)],
     )
     registry = WorkerRegistry(config.outlier.panic_threshold, clock)
-    for url in config.workers:
-        registry.add(validate_worker_url(url))
+    for spec in config.workers:
+        url, kind = parse_worker_spec(spec)
+        registry.add(validate_worker_url(url), kind or configured_kind(config.worker_kind))
     req = config.request
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry
@@ -132,8 +134,9 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     config = app[keys.CONFIG]
     registry = app[keys.REGISTRY]
     session = _session(config)
+    block_tokens = config.request.block_chars / config.request.chars_per_token
     index = PrefixIndex(
-        block_tokens=config.request.block_chars / config.request.chars_per_token,
+        block_tokens=block_tokens,
         max_blocks_per_worker=max(
             1, config.prefix_index.max_tree_size // config.request.block_chars
         ),
@@ -148,8 +151,11 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     outlier = OutlierDetector(config.outlier, registry, registry.clock)
 
     def set_capacity(worker: Worker) -> None:
-        if worker.metadata.capacity_tokens:
-            index.set_capacity(worker.id, worker.metadata.capacity_tokens)
+        meta = worker.metadata
+        if meta.capacity_tokens or meta.max_sequences:
+            # a sequence bound alone (no context size told) leaves the block bound as is
+            tokens = meta.capacity_tokens or int(index.capacity_blocks(worker.id) * block_tokens)
+            index.set_capacity(worker.id, tokens, meta.max_sequences)
 
     def forget(worker: Worker) -> None:
         index.forget_worker(worker.id)

@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from gateway.worker_kinds import AUTO, KIND_NAMES, parse_worker_spec
+
 LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 
 
@@ -162,7 +164,10 @@ class TelemetryConfig:
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
-    workers: tuple[str, ...] = ()  # worker URLs registered at start
+    workers: tuple[str, ...] = ()  # worker URLs registered at start, each may end in #kind
+    # Kind of a worker whose URL names none: sglang, llamacpp, vllm, openai, or auto
+    # (discovered from what it answers; gateway.worker_kinds).
+    worker_kind: str = "auto"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     request: RequestConfig = field(default_factory=RequestConfig)
@@ -310,11 +315,17 @@ def validate(cfg: GatewayConfig) -> None:
     )
     if s.api_key is not None:
         _check(bool(s.api_key), "server.api_key", "must not be empty when set", s.api_key)
-    for i, url in enumerate(cfg.workers):
+    for i, spec in enumerate(cfg.workers):
         try:
-            validate_worker_url(url)
+            validate_worker_url(parse_worker_spec(spec)[0])
         except ValueError as exc:
             raise ConfigError(f"workers[{i}]: {exc}") from None
+    _check(
+        cfg.worker_kind in (AUTO, *KIND_NAMES),
+        "worker_kind",
+        f"must be one of {AUTO}, {', '.join(KIND_NAMES)}",
+        cfg.worker_kind,
+    )
     _validate_policy(cfg.policy)
     h = cfg.health
     _check(h.endpoint.startswith("/"), "health.endpoint", "must start with '/'", h.endpoint)

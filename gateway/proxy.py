@@ -56,8 +56,9 @@ HOP_BY_HOP = frozenset(
 )
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
 _REPLACED = HOP_BY_HOP | {"x-request-id", "content-type"}
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_CACHED_MARK = b'"cached_tokens"'
+# usage / meta_info "cached_tokens"; llama.cpp's timings "cache_n" (the same number)
+_CACHED = re.compile(rb'"(?:cached_tokens|cache_n)"\s*:\s*(\d+)')
+_CACHED_MARKS = (b'"cached_tokens"', b'"cache_n"')
 _DONE = b"data: [DONE]"
 _EVENT_END = b"\n\n"
 
@@ -123,7 +124,9 @@ async def send(
 
 
 def cached_tokens(data: bytes) -> int | None:
-    """The last ``"cached_tokens": N`` in ``data`` (usage details or ``meta_info``)."""
+    """The last ``"cached_tokens": N`` in ``data`` (usage details or ``meta_info``), or
+    llama.cpp's ``"cache_n": N`` (``timings``, in a stream's last chunk even without
+    ``stream_options.include_usage``)."""
     found = _CACHED.findall(data)
     return int(found[-1]) if found else None
 
@@ -204,7 +207,7 @@ async def _relay_sse(
     writing = False  # tells a client failure (while writing) from a worker's
     try:
         while chunk:
-            if _CACHED_MARK in chunk:
+            if any(mark in chunk for mark in _CACHED_MARKS):
                 last_usage = chunk
             last = chunk
             if pending or not chunk.endswith(_EVENT_END):
@@ -249,11 +252,17 @@ async def _client_write(response: web.StreamResponse, write: Awaitable[object]) 
         raise ClientGone(response) from exc
 
 
-async def abort(session: aiohttp.ClientSession, url: str, rid: str, timeout_s: float) -> None:
+async def abort(
+    session: aiohttp.ClientSession,
+    url: str,
+    rid: str,
+    timeout_s: float,
+    path: str = "/abort_request",
+) -> None:
     """Ask the worker to stop ``rid`` (fire and forget: errors are ignored)."""
     try:
         async with session.post(
-            url + "/abort_request",
+            url + path,
             json={"rid": rid},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:

@@ -17,7 +17,10 @@ Contract:
   (TTFT of streamed requests) and index correction (the worker's reported cached tokens),
   and completes the request's :class:`~gateway.decisions.DecisionRecord`.
 - The lease is released exactly once on every path, including client disconnects, after
-  which the worker is sent ``/abort_request`` for the request's rid.
+  which the upstream connection is closed and, for a worker kind with an abort endpoint
+  (SGLang), the worker is sent ``/abort_request`` for the request's rid. Only such kinds
+  get a ``rid`` added to the body; others get the client's body as is
+  (``gateway.worker_kinds``).
 - Hooks (:class:`RouterHooks`) let telemetry observe without the router knowing it.
 """
 
@@ -47,6 +50,7 @@ from gateway.outlier import (
 from gateway.registry import Worker, WorkerRegistry
 from gateway.request import ApiKind, RouteRequest
 from gateway.upstream import UpstreamPool, UpstreamResponse
+from gateway.worker_kinds import kind_named
 from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
 
 log = logging.getLogger(__name__)
@@ -327,9 +331,9 @@ class Router:
     ) -> UpstreamResponse:
         headers = proxy.upstream_headers(request.headers, rid, self.hooks.upstream_headers())
         deadline = asyncio.get_running_loop().time() + self._request_timeout
-        return await proxy.send(
-            self._pool, worker.url, request.raw_path, req.body_with_rid(rid), headers, deadline
-        )
+        aborts = kind_named(worker.kind).abort_path is not None
+        body = req.body_with_rid(rid) if aborts else req.body
+        return await proxy.send(self._pool, worker.url, request.raw_path, body, headers, deadline)
 
     def _attempt_failed(
         self, worker: Worker, rid: str, exc: proxy.AttemptFailed, upstream: UpstreamResponse | None
@@ -343,8 +347,10 @@ class Router:
 
     def _abort(self, worker: Worker, rid: str, upstream: UpstreamResponse | None) -> None:
         if upstream is not None:
-            upstream.close()
-        self._spawn(proxy.abort(self._session, worker.url, rid, self._abort_timeout))
+            upstream.close()  # the only abort llama.cpp honours (streamed requests only)
+        path = kind_named(worker.kind).abort_path
+        if path is not None:
+            self._spawn(proxy.abort(self._session, worker.url, rid, self._abort_timeout, path))
 
 
 def _final_error(

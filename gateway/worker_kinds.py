@@ -72,6 +72,11 @@ def parse_worker_spec(spec: str) -> tuple[str, str | None]:
     return url, kind
 
 
+def configured_kind(worker_kind: str) -> str | None:
+    """The ``worker_kind`` setting as a kind for ``WorkerRegistry.add`` (``auto``: None)."""
+    return worker_kind if worker_kind in KIND_NAMES else None
+
+
 def kind_named(name: str) -> WorkerKind:
     """The adapter for a kind name (``auto`` or unknown: SGLang's, the default)."""
     return _KINDS.get(name, _KINDS[SGLANG])
