@@ -126,7 +126,7 @@ def test_cached_tokens_from_llamacpp_usage_or_timings() -> None:
         "timings": {"cache_n": 1000, "prompt_n": 100},
     }
     assert cached_tokens(orjson.dumps(plain)) == 1000
-    final_chunk = b'data: {"choices":[{"finish_reason":"stop","delta":{}}],"timings":{"cache_n":37}}'
+    final_chunk = b'data: {"choices":[{"delta":{}}],"timings":{"cache_n":37}}'
     assert cached_tokens(final_chunk) == 37  # a stream without include_usage
 
 
