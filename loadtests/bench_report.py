@@ -114,6 +114,7 @@ class ContenderResult:
             "max_share": self.max_share,
             "prefill_utilisation": self.prefill_utilisation,
             "busy_fraction": self.busy,
+            "ttft_s": [round(t, 5) for t in ttft],
             "errors": sorted({o.error for o in self.outcomes if o.error})[:5],
             "note": self.note,
         }
@@ -171,6 +172,21 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-")
 
 
+def _tick_label(value: float, minor: bool) -> str:
+    """Plain numbers on a log axis; minor ticks labelled at 2 and 5 only."""
+    if value <= 0:
+        return ""
+    lead = round(value / 10 ** math.floor(math.log10(value)))
+    return f"{value:g}" if not minor or lead in (2, 5) else ""
+
+
+def _plain_log_ticks(ax: Any) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick_label(v, False)))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: _tick_label(v, True)))
+
+
 def charts(report: WorkloadReport, out_dir: Path) -> list[Path]:
     """TTFT CDF per contender and hit rate vs p99 TTFT; returns the PNG paths
     (none if matplotlib is missing)."""
@@ -189,6 +205,7 @@ def charts(report: WorkloadReport, out_dir: Path) -> list[Path]:
             ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
             ax.step(ttft, ys, where="post", label=r.contender, linewidth=1.2)
     ax.set_xscale("log")
+    _plain_log_ticks(ax)
     ax.set_xlabel("TTFT (ms, wall clock, log scale)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF: {report.workload}")
@@ -207,12 +224,13 @@ def charts(report: WorkloadReport, out_dir: Path) -> list[Path]:
             ax.scatter([p99], [r.cached_fraction], s=25)
             ax.annotate(r.contender, (p99, r.cached_fraction), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")  # fmt: skip
-    for key, style in (("infinite", "--"), ("lru_pooled", ":")):
+    for key, style, x, ha in (("infinite", "--", 0.01, "left"), ("lru_pooled", ":", 0.99, "right")):
         if key in report.bounds:
             ax.axhline(report.bounds[key], linestyle=style, color="grey", linewidth=0.9)
-            ax.annotate(f"{key} bound", (0.01, report.bounds[key]), xycoords=("axes fraction",
-                        "data"), fontsize=7, va="bottom", color="grey")  # fmt: skip
+            ax.annotate(f"{key} bound", (x, report.bounds[key]), xycoords=("axes fraction",
+                        "data"), fontsize=7, va="bottom", ha=ha, color="grey")  # fmt: skip
     ax.set_xscale("log")
+    _plain_log_ticks(ax)
     ax.set_xlabel("p99 TTFT (ms, wall clock, log scale)")
     ax.set_ylabel("cached-token fraction (workers' counters)")
     ax.set_title(f"Hit rate vs p99 TTFT: {report.workload}")
