@@ -375,6 +375,13 @@ class PrefixIndex:
     def workers(self) -> list[str]:
         return list(self._workers)
 
+    def free_sequences(self, worker_id: str) -> int | None:
+        """Chains the worker can still take without evicting one (None: no sequence bound)."""
+        state = self._workers.get(worker_id)
+        if state is None or state.max_sequences is None:
+            return None
+        return max(0, state.max_sequences - len(state.sequences))
+
     def capacity_blocks(self, worker_id: str) -> int:
         """The worker's LRU bound in blocks (the default for an unknown worker)."""
         state = self._workers.get(worker_id)

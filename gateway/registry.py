@@ -119,7 +119,11 @@ class Worker:
         return HealthFlag.DRAINING in self.flags
 
     def view(
-        self, now: float, matched_tokens: int = 0, cost: WorkerCost | None = None
+        self,
+        now: float,
+        matched_tokens: int = 0,
+        cost: WorkerCost | None = None,
+        free_sequences: int | None = None,
     ) -> WorkerView:
         """The policy's picture of this worker at ``now``."""
         load = self.engine_load
@@ -140,6 +144,7 @@ class Worker:
             engine_load=load,
             matched_tokens=matched_tokens,
             cost=cost if cost is not None else WorkerCost(),
+            free_sequences=free_sequences,
         )
 
     def describe(self, now: float) -> dict[str, Any]:

@@ -164,8 +164,15 @@ class Router:
         matches: Mapping[str, int] = {}
         if self.policy.uses_prefix_match and req.block_hashes:
             matches = self._index.match(req.block_hashes)
+        # optional index capability (the in-process PrefixIndex has it): slot-bound workers
+        free = getattr(self._index, "free_sequences", None)
         views = [
-            w.view(now, req.matched_tokens(matches.get(w.id, 0)), self._costs.cost(w.id))
+            w.view(
+                now,
+                req.matched_tokens(matches.get(w.id, 0)),
+                self._costs.cost(w.id),
+                free(w.id) if free is not None else None,
+            )
             for w in workers
         ]
         return views, matches

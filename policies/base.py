@@ -81,6 +81,9 @@ class WorkerView:
     engine_load: EngineLoad | None = None
     matched_tokens: int = 0  # this request's prefix believed cached there
     cost: WorkerCost = field(default_factory=WorkerCost)
+    # prompts it can still cache without evicting one, when a number of prompts (slots)
+    # binds rather than tokens (llama.cpp); None: no such bound known
+    free_sequences: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

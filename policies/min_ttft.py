@@ -131,6 +131,16 @@ def _or(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
+def _most_room(pool: list[WorkerView]) -> list[WorkerView]:
+    """For a prompt nobody holds: the workers with the most free sequences, when every
+    one reports a sequence bound (llama.cpp slots); else ``pool`` as is."""
+    rooms = [w.free_sequences for w in pool]
+    if not pool or any(r is None for r in rooms):
+        return pool
+    most = max(r for r in rooms if r is not None)
+    return [w for w in pool if w.free_sequences == most]
+
+
 class MinTtftPolicy(Policy):
     name: ClassVar[str] = "min_ttft"
     uses_prefix_match: ClassVar[bool] = True
@@ -212,6 +222,8 @@ class MinTtftPolicy(Policy):
         near = [w for w in eligible if scores[w.id] <= band]
         longest = max(w.matched_tokens for w in near)
         pool = [w for w in near if w.matched_tokens == longest]
+        if longest <= 0:
+            pool = _most_room(pool)
         low = min(scores[w.id] for w in pool)
         tied = [w for w in pool if scores[w.id] == low]
         chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
