@@ -402,19 +402,32 @@ class SharedState:
         return len(entries)
 
     async def _tick(self, client: aioredis.Redis) -> None:
-        """One publish-and-read round trip (plus more reads when far behind)."""
+        """One pipelined round trip: publish recordings and load; read the peers' load,
+        the worker-set version and the stream. More only on a worker-set change, when the
+        stream is far ahead, and for the periodic snapshot."""
+        assert self._cursor is not None
         await self._publish_workers(client)
         batch = self._take_batch()
+        pipe = client.pipeline(transaction=False)
+        self._queue_batch(pipe, batch)
+        local, peers = self._queue_load(pipe)
+        pipe.get(self._keys.version)
+        pipe.xread({self._keys.stream: self._cursor}, self.settings.read_count)
         try:
-            await self._publish_batch(client, batch)
+            replies: list[Any] = await pipe.execute()
         except _CONNECTION_ERRORS:
             self._requeue(batch)
             raise
-        replies = await self._exchange_load(client)
-        self._sum_peer_load(replies)
-        await self._read_workers(client)
-        while await self._read_stream(client) >= self.settings.read_count:
-            pass
+        self.published_records += len(batch)
+        self._published = set(local)
+        version, entries = replies[-2], replies[-1]
+        self._peers = [g for g in replies[-3 - len(peers)] if g != self._gid]
+        self._sum_peer_load(replies[-2 - len(peers) : -2] if peers else [])
+        if version != self._version:
+            await self._read_workers(client)
+        if self._apply_entries(entries) >= self.settings.read_count:
+            while await self._read_stream(client) >= self.settings.read_count:
+                pass
         if time.monotonic() >= self._next_snapshot:
             await self._write_snapshot(client)
 
@@ -436,12 +449,8 @@ class SharedState:
             merged = dict(list(merged.items())[:limit])
         self._pending = merged
 
-    async def _publish_batch(
-        self, client: aioredis.Redis, batch: list[tuple[str, Sequence[int], float]]
-    ) -> None:
-        if not batch:
-            return
-        pipe = client.pipeline(transaction=False)
+    def _queue_batch(self, pipe: Any, batch: list[tuple[str, Sequence[int], float]]) -> None:
+        """XADD the recordings, up to ``_BATCH_ITEMS`` per stream entry."""
         for start in range(0, len(batch), _BATCH_ITEMS):
             chunk = batch[start : start + _BATCH_ITEMS]
             fields = {
@@ -450,36 +459,28 @@ class SharedState:
                 "b": pack_items((w, h) for w, h, _ in chunk),
             }
             pipe.xadd(
-                self._keys.stream,
-                fields,  # type: ignore[arg-type]
-                maxlen=self.settings.stream_maxlen,
-                approximate=True,
+                self._keys.stream, fields, maxlen=self.settings.stream_maxlen, approximate=True
             )
-        await pipe.execute()
-        self.published_records += len(batch)
 
-    async def _exchange_load(self, client: aioredis.Redis) -> list[Any]:
-        """Publish this gateway's load; read the peers' (listed at the previous tick)."""
+    def _queue_load(self, pipe: Any) -> tuple[dict[str, LoadFigures], list[bytes]]:
+        """Publish this gateway's load; list the gateways; read the peers' load (those
+        listed at the previous tick). Returns (published figures, peers read)."""
         keys, now_ms = self._keys, int(self._wall() * 1000)
+        own = keys.load(self.gateway_id)
         local = self._fleet.local_load()
-        pipe = client.pipeline(transaction=False)
         stale = self._published - local.keys()
         if stale:
-            pipe.hdel(keys.load(self.gateway_id), *stale)
+            pipe.hdel(own, *stale)
         if local:
-            mapping = {w: pack_load(f) for w, f in local.items()}
-            pipe.hset(keys.load(self.gateway_id), mapping=mapping)  # type: ignore[arg-type]
-        pipe.pexpire(keys.load(self.gateway_id), int(self.settings.load_ttl_s * 1000))
+            pipe.hset(own, mapping={w: pack_load(f) for w, f in local.items()})
+        pipe.pexpire(own, int(self.settings.load_ttl_s * 1000))
         pipe.zadd(keys.gateways, {self.gateway_id: now_ms})
         pipe.zremrangebyscore(keys.gateways, 0, now_ms - _GATEWAY_FORGET_MS)
         pipe.zrange(keys.gateways, 0, -1)
-        peers = self._peers
+        peers = list(self._peers)
         for peer in peers:
             pipe.hgetall(keys.load(peer.decode()))
-        replies: list[Any] = await pipe.execute()
-        self._published = set(local)
-        self._peers = [g for g in replies[-1 - len(peers)] if g != self._gid]
-        return replies[len(replies) - len(peers) :] if peers else []
+        return local, peers
 
     def _sum_peer_load(self, replies: list[Any]) -> None:
         total: dict[str, list[int]] = {}
