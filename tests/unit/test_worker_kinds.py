@@ -3,6 +3,8 @@ prefix index's sequence bound (llama.cpp's one prompt per slot)."""
 
 from __future__ import annotations
 
+import random
+
 import orjson
 import pytest
 
@@ -21,6 +23,8 @@ from gateway.worker_kinds import (
     kind_named,
     parse_worker_spec,
 )
+from policies.base import RouteContext, WorkerView
+from policies.min_ttft import MinTtftPolicy
 
 # Shapes as measured on llama.cpp (xllamacpp 2026.10.11549, docs/REAL_ENGINE.md).
 LLAMA_PROPS = {
@@ -206,3 +210,32 @@ def test_correct_does_not_trim_a_slot_worker() -> None:
     assert ix.match(p) == {"w": 12}  # it holds the prompt it just answered
     stats = ix.stats("w")
     assert stats.predicted_tokens == 12 * 16 and stats.reported_tokens == 0
+
+
+def test_free_sequences_count_room_left() -> None:
+    ix = PrefixIndex()
+    assert ix.free_sequences("w") is None  # unknown worker: no bound
+    ix.set_capacity("w", 8192, max_sequences=2)
+    assert ix.free_sequences("w") == 2
+    ix.record(_prompt("p", "a"), "w")
+    ix.record(_prompt("p", "b"), "w")  # a sibling takes over its slot
+    assert ix.free_sequences("w") == 1
+    ix.record(_prompt("q", "a"), "w")
+    ix.record(_prompt("r", "a"), "w")
+    assert ix.free_sequences("w") == 0
+
+
+def test_min_ttft_places_a_cold_prompt_where_a_slot_is_free() -> None:
+    full = [WorkerView(id=f"full{i}", free_sequences=0) for i in range(3)]
+    room = WorkerView(id="room", free_sequences=1)
+    policy = MinTtftPolicy()
+    for seed in range(20):
+        ctx = RouteContext(prompt_tokens=1000, candidates=[*full, room], rng=random.Random(seed))
+        assert policy.select(ctx).worker_id == "room"
+    # a worker without a bound (SGLang) makes the room signal moot: ties stay random
+    mixed = [WorkerView(id="sglang"), room]
+    chosen = {
+        policy.select(RouteContext(1000, mixed, random.Random(seed))).worker_id
+        for seed in range(20)
+    }
+    assert chosen == {"sglang", "room"}
