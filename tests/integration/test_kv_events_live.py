@@ -147,3 +147,34 @@ async def test_degraded_when_publisher_stops_and_back_after_restart(
         await _until(lambda: mgr.index.blocks("w0") > 0)
     finally:
         await mgr.close()
+
+
+async def test_server_info_descriptor(
+    kv_fleet: SimulatedFleet, session: aiohttp.ClientSession
+) -> None:
+    async with session.get(f"{kv_fleet.urls[1]}/server_info") as resp:
+        info = await resp.json()
+    desc = info["kv_events"]
+    publisher = kv_fleet.workers[1].kv_events
+    assert publisher is not None
+    assert desc == {
+        "publisher": "zmq",
+        "endpoint_host": "127.0.0.1",
+        "endpoint_port_base": publisher.port,
+        "topic": "kv",
+        "block_size": 16,
+        "dp_size": 1,
+        "replay_endpoint_port_base": publisher.replay_port,
+    }
+    assert info["kv_events_config"] == KV_CONFIG and info["page_size"] == 16
+
+
+def test_cli_flags() -> None:
+    from simulator.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(
+        ["--kv-events-config", KV_CONFIG, "--kv-events-legacy-array", "--page-size", "16"]
+    )
+    config = config_from_args(args)
+    assert config.kv_events_config == KV_CONFIG and config.kv_events_legacy_array
+    config.validate()
