@@ -660,9 +660,13 @@ class KVEventsManager:
             self.predicted.record(worker_id, hashes, now)
 
     def prepare(self, kind: str, body: bytes) -> ExactRequest:
-        """Tokenize a request once for matching and dispatch (``kind``: an ApiKind value)."""
-        ids, namespace = request_tokens(kind, body, self.tokenizer)
-        return ExactRequest(self, ids, namespace)
+        """A request for matching and dispatch (``kind``: an ApiKind value), tokenized at
+        most once and only if some worker needs its tokens."""
+        return ExactRequest(self, kind, body)
+
+    def wants_tokens(self, worker_ids: Iterable[str]) -> bool:
+        """Whether any of these workers is followed (exact mode or predicting)."""
+        return any(self.block_size(w) is not None for w in worker_ids)
 
     def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None:
         """Fidelity: predicted vs reported cached tokens of one finished request."""
@@ -705,19 +709,31 @@ class Fidelity:
 
 
 class ExactRequest:
-    """One request as exact mode sees it: its token ids and namespace, tokenized once."""
+    """One request as exact mode sees it; tokenized lazily, at most once."""
 
-    __slots__ = ("_mgr", "ids", "namespace")
+    __slots__ = ("_body", "_done", "_ids", "_kind", "_mgr", "_namespace")
 
-    def __init__(self, mgr: KVEventsManager, ids: list[int] | None, namespace: Namespace) -> None:
-        self._mgr, self.ids, self.namespace = mgr, ids, namespace
+    def __init__(self, mgr: KVEventsManager, kind: str, body: bytes) -> None:
+        self._mgr, self._kind, self._body = mgr, kind, body
+        self._ids: list[int] | None = None
+        self._namespace: Namespace = (None, None, None)
+        self._done = False
 
-    def match(self, worker_ids: Iterable[str]) -> dict[str, int]:
+    def tokens(self) -> tuple[list[int] | None, Namespace]:
+        if not self._done:
+            self._ids, self._namespace = request_tokens(self._kind, self._body, self._mgr.tokenizer)
+            self._done = True
+        return self._ids, self._namespace
+
+    def match(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Matched tokens of the workers in exact mode (others absent)."""
-        return self._mgr.match(self.ids, self.namespace, worker_ids)
+        if not self._mgr.wants_tokens(worker_ids):
+            return {}
+        return self._mgr.match(*self.tokens(), worker_ids)
 
     def dispatched(self, worker_id: str) -> None:
-        self._mgr.dispatched(worker_id, self.ids, self.namespace)
+        if self._mgr.wants_tokens([worker_id]):
+            self._mgr.dispatched(worker_id, *self.tokens())
 
     def mode(self, worker_id: str) -> str:
         return self._mgr.mode(worker_id)
