@@ -7,17 +7,17 @@ its own two, so prefix-blind routing thrashes. Each policy gets fresh text (its 
 ``text_salt``) in the same request order.
 
 Capacity: a llama.cpp worker with the RAM prompt cache off holds one prompt per slot.
-The gateway has no ``llamacpp`` worker kind yet to read that from ``/props``
-(``total_slots``), so the main runs tell it with the sglang-router flag
-``--max-tree-size`` (indexed prompt characters per worker = slots x longest prompt).
-``test_min_ttft_learns_capacity_from_the_engine`` runs without the hint and is expected
-to fail until the gateway derives capacity itself (xfail, not strict: min_ttft places new
-prefixes at random among equal scores, so it passes by luck now and then).
+The gateway is given no hint: it discovers the ``llamacpp`` worker kind (``Server``
+header) and reads ``/props`` ``total_slots``, which bounds its prefix index to that many
+prompt chains per worker (``test_min_ttft_learns_capacity_from_the_engine`` checks what
+it learned).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -28,22 +28,20 @@ import pytest
 from loadtests.engine.gateway_proc import GatewayProcess, run_gateway
 from loadtests.engine.llama_fleet import LlamaFleet
 from loadtests.engine.runner import RunResult, run_workload, summarize
-from loadtests.engine.workload import SharedPrefixSpec, capacity_hint_args, shared_prefix_requests
+from loadtests.engine.workload import SharedPrefixSpec, shared_prefix_requests
 
 pytestmark = pytest.mark.e2e
 
 SPEC = SharedPrefixSpec(num_prefixes=8, per_prefix=4, prefix_tokens=1000, message_tokens=100)
 CONCURRENCY = 2
 SLOTS = 2  # per worker, as the session fleet (conftest.SLOTS)
+CTX_PER_SLOT = 4096  # conftest.CTX_PER_SLOT
 
 
-def run_policy(
-    fleet: LlamaFleet, policy: str, salt: int, log_dir: Path, hint: bool = True
-) -> RunResult:
+def run_policy(fleet: LlamaFleet, policy: str, salt: int, log_dir: Path) -> RunResult:
     requests = shared_prefix_requests(replace(SPEC, text_salt=1000 + salt))
-    args = capacity_hint_args(requests, SLOTS) if hint else []
     log_path = log_dir / f"gateway-{policy}-{salt}.log"
-    with run_gateway(fleet.urls, policy, log_path, args) as gateway:
+    with run_gateway(fleet.urls, policy, log_path) as gateway:
         out = asyncio.run(run_workload(fleet.urls, lambda _: gateway.url, requests, CONCURRENCY))
     return summarize(policy, *out)
 
@@ -56,10 +54,13 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def policy_runs(llama_fleet: LlamaFleet, log_dir: Path) -> dict[str, RunResult]:
     """Each policy's run of the workload through the gateway (sequential, same fleet)."""
-    return {
+    runs = {
         "round_robin": run_policy(llama_fleet, "round_robin", 0, log_dir),
         "min_ttft": run_policy(llama_fleet, "min_ttft", 1, log_dir),
     }
+    for run in runs.values():  # shown with pytest -rA
+        print(f"{run.target}: cached {run.cached_fraction:.3f}, TTFT p50 {run.ttft_p50_s:.3f} s")
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +86,15 @@ def test_min_ttft_halves_the_median_ttft(policy_runs: dict[str, RunResult]) -> N
     assert mt.ttft_p50_s <= 0.5 * rr.ttft_p50_s, (rr, mt)
 
 
-@pytest.mark.xfail(
-    strict=False, reason="no llamacpp worker kind yet: capacity (/props total_slots) unknown"
-)
-def test_min_ttft_learns_capacity_from_the_engine(
-    llama_fleet: LlamaFleet, log_dir: Path, policy_runs: dict[str, RunResult]
-) -> None:
-    unhinted = run_policy(llama_fleet, "min_ttft", 2, log_dir, hint=False)
-    assert unhinted.failures == 0, unhinted.error
-    assert unhinted.cached_fraction >= 2 * policy_runs["round_robin"].cached_fraction, unhinted
+def test_min_ttft_learns_capacity_from_the_engine(gateway: GatewayProcess) -> None:
+    with urllib.request.urlopen(gateway.url + "/workers", timeout=5.0) as response:
+        workers = json.loads(response.read())["workers"]
+    assert len(workers) == 4
+    for worker in workers:
+        assert worker["kind"] == "llamacpp", worker  # discovered: no flag was given
+        assert worker["max_sequences"] == SLOTS, worker
+        assert worker["capacity_tokens"] == SLOTS * CTX_PER_SLOT, worker
+        assert worker["model"] == "tiny-llama", worker
 
 
 async def test_openai_client_through_the_gateway(gateway: GatewayProcess) -> None:
