@@ -56,7 +56,9 @@ Then:
    the longest match win, and among them the lowest score; exact ties at random.
    This keeps siblings and conversation turns on their worker until its queue makes a
    second copy clearly cheaper, and only then spreads the hot prefix.
-Cold requests (no match anywhere) go to the lowest score, i.e. the least-loaded worker;
+Cold requests (no match anywhere) go to the lowest score, i.e. the least-loaded worker
+(when every candidate reports ``free_sequences``, as llama.cpp workers bounded by their
+slots do, only among those with the most free sequences, whatever their queue);
 their siblings then follow them because the gateway records the prompt at dispatch.
 
 Reasons: ``prefix_hit`` (the chosen worker holds the longest match there is), ``load``
@@ -133,7 +135,9 @@ def _or(value: float | None, default: float) -> float:
 
 def _most_room(pool: list[WorkerView]) -> list[WorkerView]:
     """For a prompt nobody holds: the workers with the most free sequences, when every
-    one reports a sequence bound (llama.cpp slots); else ``pool`` as is."""
+    one reports a sequence bound (llama.cpp slots); else ``pool`` as is. Placing it on a
+    full worker would evict a prompt the worker holds, whose next request then misses:
+    a slot still free is worth a wait behind a prefill (the load cap still applies)."""
     rooms = [w.free_sequences for w in pool]
     if not pool or any(r is None for r in rooms):
         return pool
@@ -217,13 +221,13 @@ class MinTtftPolicy(Policy):
         if sticky is not None:
             self._remember(sticky.id, candidates)
             return Decision(sticky.id, self._reason(sticky, candidates), estimates)
+        if max(w.matched_tokens for w in eligible) <= 0:
+            eligible = _most_room(eligible)  # nobody holds it: a free slot beats a queue
         best = min(scores[w.id] for w in eligible)
         band = best + self._tolerance_s + self._tolerance_rel * best
         near = [w for w in eligible if scores[w.id] <= band]
         longest = max(w.matched_tokens for w in near)
         pool = [w for w in near if w.matched_tokens == longest]
-        if longest <= 0:
-            pool = _most_room(pool)
         low = min(scores[w.id] for w in pool)
         tied = [w for w in pool if scores[w.id] == low]
         chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)

@@ -239,3 +239,12 @@ def test_min_ttft_places_a_cold_prompt_where_a_slot_is_free() -> None:
         for seed in range(20)
     }
     assert chosen == {"sglang", "room"}
+
+
+def test_a_free_slot_beats_a_queue_for_a_cold_prompt() -> None:
+    busy_with_room = WorkerView(
+        id="room", in_flight=1, queued_prefill_tokens=1000, free_sequences=1
+    )
+    idle_full = WorkerView(id="full", free_sequences=0)
+    ctx = RouteContext(1000, [idle_full, busy_with_room], random.Random(0))
+    assert MinTtftPolicy().select(ctx).worker_id == "room"
