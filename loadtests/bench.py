@@ -52,7 +52,14 @@ from typing import Any
 import orjson
 
 from loadtests.bench_client import ReplayItem, replay
-from loadtests.bench_report import ContenderResult, WorkloadReport, charts, markdown, quantile
+from loadtests.bench_report import (
+    ContenderResult,
+    WorkloadReport,
+    charts,
+    markdown,
+    merge,
+    quantile,
+)
 from loadtests.bench_workers import deltas, flush_all, read_all, sample_busy
 from loadtests.bounds import compute_bounds
 from loadtests.engine.gateway_proc import free_port, run_gateway
@@ -159,7 +166,7 @@ def run_contender(
             after = await read_all(urls)
             return ContenderResult(
                 workload, contender, outcomes, wall, deltas(urls, before, after),
-                args.speed, busy, note,
+                args.speed, busy, note, os.getloadavg()[0],
             )  # fmt: skip
 
         return asyncio.run(run())
@@ -194,7 +201,9 @@ def _setup_line(
         f"wall s, sending stops after {args.max_seconds:g} s ({sent} requests). "
         f"{args.workers} workers, profile {args.profile}, {capacity:,} KV tokens "
         f"and {args.max_running_requests} running requests each. TTFT and e2e are wall ms "
-        f"(x {args.speed:g} for modelled time)."
+        f"(x {args.speed:g} for modelled time). {args.rounds} round(s) per contender "
+        "(order alternated, outcomes pooled); `load 1m` is the machine's load average after "
+        "the contender's (last) run."
     )
 
 
@@ -293,21 +302,27 @@ def orchestrate(
                 model_path=model_dir,
             )
             with run_sim_fleet(args.workers, settings, log_dir / _slug_prefix(name)) as urls:
-                for contender in contenders:
-                    print(f"[bench] {name}: {contender} ...", file=sys.stderr, flush=True)
-                    try:
-                        result = run_contender(contender, urls, items, args, log_dir, name)
-                    except RuntimeError as exc:
-                        notes.append(f"{name} / {contender} did not run: {exc}"[:400])
-                        continue
-                    report.results.append(result)
-                    print(
-                        f"[bench]   ok {result.ok}/{result.sent}, cached "
-                        f"{result.cached_fraction:.3f}, p99 TTFT "
-                        f"{quantile(result.ttfts, 0.99) * 1e3:.0f} ms",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                runs: dict[str, list[ContenderResult]] = {}
+                for k in range(args.rounds):
+                    # Alternate the order, so a busy spell of the shared machine falls on
+                    # different contenders in each round.
+                    for contender in contenders if k % 2 == 0 else contenders[::-1]:
+                        print(f"[bench] {name}: {contender} ...", file=sys.stderr, flush=True)
+                        try:
+                            result = run_contender(contender, urls, items, args, log_dir, name)
+                        except RuntimeError as exc:
+                            notes.append(f"{name} / {contender} did not run: {exc}"[:400])
+                            continue
+                        runs.setdefault(contender, []).append(result)
+                        print(
+                            f"[bench]   ok {result.ok}/{result.sent}, cached "
+                            f"{result.cached_fraction:.3f}, p99 TTFT "
+                            f"{quantile(result.ttfts, 0.99) * 1e3:.0f} ms, load "
+                            f"{result.load_1m:.1f}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                report.results = [merge(runs[c]) for c in contenders if c in runs]
             reports.append(report)
             pngs += charts(report, out_dir)
     finally:
@@ -403,6 +418,7 @@ def parser() -> argparse.ArgumentParser:
         help="gateway:<policy>, sglang-router:<policy>, direct",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="runs per contender, order alternated")
     p.add_argument("--max-requests", type=int, default=600, help="first N requests at most")
     p.add_argument("--max-seconds", type=float, default=40.0, help="stop sending after (wall s)")
     p.add_argument("--timeout", type=float, default=60.0, help="per request (wall s)")

@@ -32,6 +32,8 @@ class ContenderResult:
     speed: float = 1.0  # modelled seconds per wall second
     busy: list[float] = field(default_factory=list)  # sampled busy fraction per worker
     note: str = ""
+    load_1m: float = float("nan")  # the machine's 1-min load average after the run
+    rounds: int = 1
 
     @property
     def sent(self) -> int:
@@ -114,10 +116,37 @@ class ContenderResult:
             "max_share": self.max_share,
             "prefill_utilisation": self.prefill_utilisation,
             "busy_fraction": self.busy,
+            "load_1m": self.load_1m,
+            "rounds": self.rounds,
             "ttft_s": [round(t, 5) for t in ttft],
             "errors": sorted({o.error for o in self.outcomes if o.error})[:5],
             "note": self.note,
         }
+
+
+def merge(runs: Sequence[ContenderResult]) -> ContenderResult:
+    """Several rounds of one contender as one result: outcomes pooled, wall times and
+    worker deltas summed, busy fractions averaged, the highest load kept."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    workers = [
+        WorkerDelta(
+            url=w.url,
+            prompt_tokens=sum(r.workers[i].prompt_tokens for r in runs),
+            cached_tokens=sum(r.workers[i].cached_tokens for r in runs),
+            requests=sum(r.workers[i].requests for r in runs),
+            prefill_busy_s=sum(r.workers[i].prefill_busy_s for r in runs),
+        )
+        for i, w in enumerate(first.workers)
+    ]
+    busy = [sum(r.busy[i] for r in runs) / len(runs) for i in range(len(first.busy))]
+    return ContenderResult(
+        first.workload, first.contender, [o for r in runs for o in r.outcomes],
+        sum(r.wall_s for r in runs), workers, first.speed, busy,
+        "; ".join(sorted({r.note for r in runs if r.note})),
+        max(r.load_1m for r in runs), len(runs),
+    )  # fmt: skip
 
 
 _QS = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
@@ -149,8 +178,8 @@ def markdown(report: WorkloadReport) -> str:
         "",
         "| contender | ok / sent | shed | failed | TTFT p50 / p90 / p99 ms | e2e p50 / p99 ms "
         "| req/s | cached (workers) | ÷ LRU bound | busiest worker x fair | busy mean / max "
-        "| prefill util |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prefill util | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.results:
         ttft, lat = r.ttfts, r.latencies
@@ -162,7 +191,7 @@ def markdown(report: WorkloadReport) -> str:
             f"{_ms(quantile(ttft, 0.99))} | {_ms(quantile(lat, 0.5))} / "
             f"{_ms(quantile(lat, 0.99))} | {r.throughput:.2f} | {r.cached_fraction:.3f} "
             f"| {ratio:.2f} | {r.max_share:.2f} | {sum(busy) / len(busy):.2f} / {max(busy):.2f} "
-            f"| {r.prefill_utilisation:.2f} |"
+            f"| {r.prefill_utilisation:.2f} | {r.load_1m:.1f} |"
         )
     notes = [f"- {r.contender}: {r.note}" for r in report.results if r.note]
     return "\n".join(lines + (["", *notes] if notes else []))
