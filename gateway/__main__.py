@@ -57,6 +57,17 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "prefix_index.max_idle_s",
         {"type": float, "help": "drop index entries idle this long (3600)"},
     ),
+    "--kv-events": (
+        "kv_events.enabled",
+        {
+            "type": lambda v: v.lower() in ("1", "true", "yes", "on"),
+            "help": "exact mode: true to follow SGLang KV events (false)",
+        },
+    ),
+    "--kv-events-tokenizer": (
+        "kv_events.tokenizer",
+        {"help": "exact mode tokenizer: sim or hf:<dir> (sim)"},
+    ),
     "--api-key": ("server.api_key", {"help": "require Authorization: Bearer KEY"}),
     "--request-timeout-secs": (
         "server.request_timeout_s",
@@ -110,6 +121,14 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--load-poll-interval-secs": (
         "load.poll_interval_s",
         {"type": float, "help": "seconds between engine load polls; 0 off (1)"},
+    ),
+    "--redis-url": (
+        "redis.url",
+        {"help": "share state with other gateways: redis://HOST:PORT/DB or rediss://"},
+    ),
+    "--redis-prefix": (
+        "redis.prefix",
+        {"help": "key prefix: gateways with the same URL and prefix share (prefix-gateway)"},
     ),
 }
 _KEY_TO_FLAG = {key: flag for flag, (key, _) in _FLAGS.items()}

@@ -27,16 +27,19 @@ from gateway.cost_model import CostModel
 from gateway.debug_api import add_telemetry_routes
 from gateway.decisions import DecisionLog
 from gateway.health import HealthChecker
+from gateway.kv_events import KVEventsManager, KVEventsSettings
 from gateway.load import LoadPoller
 from gateway.outlier import OutlierDetector
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import Worker, WorkerRegistry
 from gateway.request import RequestSettings
 from gateway.router import Router
+from gateway.shared_adapters import wire_shared_state
 from gateway.tasks import TaskSet
 from gateway.telemetry import Telemetry, TelemetryConfig
 from gateway.telemetry_gateway import RegistrySnapshot, TelemetryHooks, telemetry_middleware
 from gateway.telemetry_tracing import TracingConfig
+from gateway.tokenizer_local import load_tokenizer
 from gateway.upstream import UpstreamPool
 from gateway.worker_kinds import configured_kind, parse_worker_spec
 from policies.base import Policy
@@ -130,6 +133,33 @@ def _session(config: GatewayConfig) -> aiohttp.ClientSession:
     )
 
 
+def make_kv_events(
+    config: GatewayConfig, registry: WorkerRegistry, session: aiohttp.ClientSession
+) -> KVEventsManager | None:
+    """Exact mode over the registry's SGLang workers, or None when it is off."""
+    k = config.kv_events
+    if not k.enabled:
+        return None
+    settings = KVEventsSettings(
+        enabled=True,
+        tokenizer=k.tokenizer,
+        stale_timeout_s=k.stale_timeout_s,
+        replay_timeout_s=k.replay_timeout_s,
+        discovery_interval_s=k.discovery_interval_s,
+        hybrid=k.hybrid,
+        ttl_factor=k.ttl_factor,
+        ttl_min_s=k.ttl_min_s,
+        ttl_max_s=k.ttl_max_s,
+    )
+    return KVEventsManager(
+        settings,
+        load_tokenizer(k.tokenizer),
+        lambda: [(w.id, w.url) for w in registry if w.kind == "sglang"],
+        session,
+        clock=registry.clock,
+    )
+
+
 async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> AsyncIterator[None]:
     config = app[keys.CONFIG]
     registry = app[keys.REGISTRY]
@@ -163,9 +193,18 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         load.forget(worker)
         pool.forget(worker.url)
 
+    exact = make_kv_events(config, registry, session)
+    if exact is not None:
+        await exact.start()
     telemetry = app[keys.TELEMETRY]
     telemetry.use_snapshot(
-        RegistrySnapshot(registry, index=index, admission=app[keys.ADMISSION], policy=policy.name)
+        RegistrySnapshot(
+            registry,
+            index=index,
+            admission=app[keys.ADMISSION],
+            policy=policy.name,
+            modes=exact,
+        )
     )
     outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
     registry.on_removed(lambda w: telemetry.forget_worker(w.id))
@@ -174,11 +213,12 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     registry.on_removed(forget)
     app[keys.SESSION] = session
     app[keys.HEALTH] = health
+    shared = wire_shared_state(app, config.redis, index, registry, health.check_now)
     app[keys.ROUTER] = Router(
         config=config,
         registry=registry,
         policy=policy,
-        index=index,
+        index=index if shared is None else shared.index,
         costs=costs,
         outlier=outlier,
         session=session,
@@ -187,8 +227,11 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         spawn=app[keys.TASKS].spawn,
         rng=rng,
         hooks=TelemetryHooks(telemetry),
+        exact=exact,
     )
     loops = TaskSet()
+    if shared is not None:
+        shared.start()
     loops.spawn(health.run(), "health")
     if config.load.poll_interval_s > 0:
         loops.spawn(load.run(), "load")
@@ -203,8 +246,12 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     try:
         yield
     finally:
+        if shared is not None:
+            await shared.stop()
         await loops.close()
         await app[keys.TASKS].close()
+        if exact is not None:
+            await exact.close()
         await pool.close()
         await session.close()
         telemetry.shutdown()

@@ -162,6 +162,51 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """Exact mode from SGLang KV events (gateway.kv_events, docs/KV_EVENTS.md)."""
+
+    # Follow the KV events of workers whose /server_info advertises them.
+    enabled: bool = False
+    # How prompts become the worker's token ids: "sim" (the simulated worker's tokenizer)
+    # or "hf:<dir>" (tokenizer.json + chat template from a local directory).
+    tokenizer: str = "sim"
+    # A request dispatched to an exact-mode worker not followed by any event within this
+    # makes the worker `degraded` (routing falls back to the approximate index).
+    stale_timeout_s: float = 5.0
+    # Bound on one replay request to fill a sequence gap.
+    replay_timeout_s: float = 1.0
+    # Re-read of /server_info: new workers, restarts (a new startup_time).
+    discovery_interval_s: float = 2.0
+    # Keep blocks predicted at dispatch beside the exact ones until an event confirms them.
+    hybrid: bool = True
+    # Predicted-entry TTL = ttl_factor x the observed dispatch -> event delay, clamped.
+    ttl_factor: float = 3.0
+    ttl_min_s: float = 0.2
+    ttl_max_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    # Shared state across gateways (docs/SHARED_STATE.md); None keeps everything in
+    # memory. redis://[[user]:password@]host:port/db, rediss:// (TLS) or unix:///path.
+    url: str | None = None
+    # Key isolation: gateways share state iff they use the same URL and prefix.
+    prefix: str = "prefix-gateway"
+    # Environment variable holding the password when the URL carries none.
+    password_env: str = "GATEWAY_REDIS_PASSWORD"
+    gateway_id: str | None = None  # this gateway's name in Redis; None: random per process
+    # Publish/read period: replication lag is about a tick plus a round trip.
+    tick_s: float = 0.1
+    # A gateway that stops publishing leaves the shared load after this.
+    load_ttl_s: float = 1.0
+    stream_maxlen: int = 100_000  # stream entries kept (each up to 512 recordings)
+    snapshot_interval_s: float = 30.0  # whole-index snapshot for catch-up after trimming
+    queue_size: int = 20_000  # pending recordings; beyond it new ones are dropped, counted
+    timeout_s: float = 0.5  # per round trip; slower counts as down (degraded mode)
+    backoff_max_s: float = 5.0  # reconnect back-off cap (from 0.1 s, doubling)
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     workers: tuple[str, ...] = ()  # worker URLs registered at start, each may end in #kind
@@ -170,6 +215,7 @@ class GatewayConfig:
     worker_kind: str = "auto"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     request: RequestConfig = field(default_factory=RequestConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -178,6 +224,7 @@ class GatewayConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     decisions: DecisionsConfig = field(default_factory=DecisionsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
 
 
 # --- URL validation (shared with the admin API) -------------------------------------
@@ -327,6 +374,7 @@ def validate(cfg: GatewayConfig) -> None:
         cfg.worker_kind,
     )
     _validate_policy(cfg.policy)
+    _validate_kv_events(cfg.kv_events)
     h = cfg.health
     _check(h.endpoint.startswith("/"), "health.endpoint", "must start with '/'", h.endpoint)
     _check(h.failure_threshold >= 1, "health.failure_threshold", "must be ≥ 1", h.failure_threshold)
@@ -347,6 +395,7 @@ def validate(cfg: GatewayConfig) -> None:
         cfg.request.block_chars >= 1, "request.block_chars", "must be ≥ 1", cfg.request.block_chars
     )
     _validate_outlier(cfg.outlier)
+    _validate_redis(cfg.redis)
     _check(cfg.retry.max_retries >= 0, "retry.max_retries", "must be ≥ 0", cfg.retry.max_retries)
     a = cfg.admission
     _check(
@@ -402,6 +451,28 @@ def _validate_policy(p: PolicyConfig) -> None:
     )
 
 
+def _validate_redis(r: RedisConfig) -> None:
+    # The URL may carry a password: never echo it in the message.
+    if r.url is not None and urlsplit(r.url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError("redis.url: must start with redis://, rediss:// or unix://")
+    _check(
+        bool(r.prefix) and "{" not in r.prefix and "}" not in r.prefix,
+        "redis.prefix",
+        "must be non-empty and free of braces",
+        r.prefix,
+    )
+    for key, value in (
+        ("redis.tick_s", r.tick_s),
+        ("redis.snapshot_interval_s", r.snapshot_interval_s),
+        ("redis.timeout_s", r.timeout_s),
+        ("redis.backoff_max_s", r.backoff_max_s),
+    ):
+        _check(value > 0, key, "must be > 0", value)
+    _check(r.load_ttl_s > r.tick_s, "redis.load_ttl_s", "must exceed redis.tick_s", r.load_ttl_s)
+    _check(r.stream_maxlen >= 1, "redis.stream_maxlen", "must be ≥ 1", r.stream_maxlen)
+    _check(r.queue_size >= 1, "redis.queue_size", "must be ≥ 1", r.queue_size)
+
+
 def _validate_outlier(o: OutlierConfig) -> None:
     _check(
         o.consecutive_connect_errors >= 1,
@@ -427,6 +498,28 @@ def _validate_outlier(o: OutlierConfig) -> None:
         "outlier.panic_threshold",
         "must be in 0..1",
         o.panic_threshold,
+    )
+
+
+def _validate_kv_events(k: KVEventsConfig) -> None:
+    for key, value in (
+        ("kv_events.stale_timeout_s", k.stale_timeout_s),
+        ("kv_events.replay_timeout_s", k.replay_timeout_s),
+        ("kv_events.discovery_interval_s", k.discovery_interval_s),
+        ("kv_events.ttl_factor", k.ttl_factor),
+    ):
+        _check(value > 0, key, "must be > 0", value)
+    _check(
+        0 <= k.ttl_min_s <= k.ttl_max_s,
+        "kv_events.ttl_min_s",
+        "must be in 0..ttl_max_s",
+        k.ttl_min_s,
+    )
+    _check(
+        k.tokenizer == "sim" or k.tokenizer.startswith("hf:"),
+        "kv_events.tokenizer",
+        "must be 'sim' or 'hf:<directory>'",
+        k.tokenizer,
     )
 
 

@@ -77,6 +77,7 @@ class DecisionRecord:
     matched_tokens: int = 0  # the chosen worker's predicted cached prefix
     model: str | None = None
     outcome: DecisionOutcome | None = None
+    index_mode: str | None = None  # exact / approximate / degraded for the chosen worker
 
     @classmethod
     def from_decision(
@@ -126,7 +127,7 @@ class DecisionRecord:
             "matched_tokens": self.matched_tokens,
             "candidates": [c.to_dict() for c in self.candidates],
             "outcome": None if self.outcome is None else self.outcome.to_dict(),
-        }
+        } | ({} if self.index_mode is None else {"index_mode": self.index_mode})
 
 
 class DecisionSource(Protocol):

@@ -72,6 +72,21 @@ class PrefixMatcher(Protocol):
     ) -> Any: ...
 
 
+class ExactRequest(Protocol):
+    """Exact mode's view of one request (``gateway.kv_events.ExactRequest``)."""
+
+    def match(self, worker_ids: Sequence[str]) -> Mapping[str, int]: ...
+    def dispatched(self, worker_id: str) -> None: ...
+    def mode(self, worker_id: str) -> str: ...
+    def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None: ...
+
+
+class ExactSource(Protocol):
+    """Exact mode (``gateway.kv_events.KVEventsManager``): tokenizes a request once."""
+
+    def prepare(self, kind: str, body: bytes) -> ExactRequest: ...
+
+
 class CostSource(Protocol):
     """What the router needs of the cost model (``gateway.cost_model.CostModel``)."""
 
@@ -137,8 +152,10 @@ class Router:
         spawn: Callable[[Coroutine[Any, Any, None]], object],
         rng: random.Random,
         hooks: RouterHooks | None = None,
+        exact: ExactSource | None = None,
     ) -> None:
         self.policy = policy
+        self._exact = exact
         self.registry = registry
         self.decisions = decisions
         self.hooks = hooks or RouterHooks()
@@ -156,26 +173,37 @@ class Router:
     # --- phases -------------------------------------------------------------------
 
     def _views(
-        self, req: RouteRequest, workers: Sequence[Worker]
+        self, req: RouteRequest, workers: Sequence[Worker], exact: ExactRequest | None = None
     ) -> tuple[list[WorkerView], Mapping[str, int]]:
         """Candidates as the policy sees them, with this request's matched tokens; and the
-        matched blocks per worker id."""
+        matched blocks per worker id (approximate index). Workers in exact mode get their
+        matched tokens from the exact index instead (``exact``)."""
         now = self.registry.clock()
         matches: Mapping[str, int] = {}
         if self.policy.uses_prefix_match and req.block_hashes:
             matches = self._index.match(req.block_hashes)
+        exact_tokens = exact.match([w.id for w in workers]) if exact is not None else {}
         # optional index capability (the in-process PrefixIndex has it): slot-bound workers
         free = getattr(self._index, "free_sequences", None)
         views = [
             w.view(
                 now,
-                req.matched_tokens(matches.get(w.id, 0)),
+                exact_tokens[w.id]
+                if w.id in exact_tokens
+                else req.matched_tokens(matches.get(w.id, 0)),
                 self._costs.cost(w.id),
                 free(w.id) if free is not None else None,
             )
             for w in workers
         ]
         return views, matches
+
+    def _prepare_exact(self, req: RouteRequest) -> ExactRequest | None:
+        if self._exact is None or not self.policy.uses_prefix_match:
+            return None
+        if req.kind is ApiKind.EMBEDDINGS:
+            return None
+        return self._exact.prepare(req.kind.value, req.body)
 
     def _select(self, req: RouteRequest, views: Sequence[WorkerView]) -> Decision:
         if req.kind is ApiKind.EMBEDDINGS:
@@ -192,9 +220,18 @@ class Router:
         )
         return self.policy.select(ctx)
 
-    def _dispatch(self, req: RouteRequest, worker: Worker, record: DecisionRecord) -> Lease:
+    def _dispatch(
+        self,
+        req: RouteRequest,
+        worker: Worker,
+        record: DecisionRecord,
+        exact: ExactRequest | None = None,
+    ) -> Lease:
         if req.block_hashes and self.policy.uses_prefix_match:
             self._index.record(req.block_hashes, worker.id)  # at dispatch: siblings co-locate
+        if exact is not None:
+            record.index_mode = exact.mode(worker.id)
+            exact.dispatched(worker.id)
         return Lease(worker, max(0, req.prompt_tokens - record.matched_tokens))
 
     def _feedback(
@@ -205,11 +242,14 @@ class Router:
         predicted_blocks: int,
         record: DecisionRecord,
         outcome: proxy.Outcome,
+        exact: ExactRequest | None = None,
     ) -> None:
         self._outlier.record(worker, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS)
         reported = outcome.cached_tokens
         if reported is not None and req.block_hashes and self.policy.uses_prefix_match:
             self._index.correct(worker.id, req.block_hashes, predicted_blocks, reported)
+        if exact is not None and reported is not None and record.index_mode is not None:
+            exact.observe(worker.id, record.index_mode, record.matched_tokens, reported)
         if outcome.ttft_s is not None and outcome.status == 200:
             uncached = req.prompt_tokens - (
                 reported if reported is not None else record.matched_tokens
@@ -228,12 +268,13 @@ class Router:
         worker: Worker | None = None
         record: DecisionRecord | None = None
         status = 503
+        exact = self._prepare_exact(req)
         try:
             for attempt in range(self._max_attempts):
                 workers = self.registry.candidates(excluded)
                 if not workers:
                     break
-                views, matches = self._views(req, workers)
+                views, matches = self._views(req, workers, exact)
                 decision = self._select(req, views)
                 worker = self.registry.get(decision.worker_id) or workers[0]
                 record = DecisionRecord.from_decision(
@@ -258,6 +299,7 @@ class Router:
                         started,
                         attempt,
                         matches.get(worker.id, 0),
+                        exact,
                     )
                 except proxy.AttemptFailed as exc:
                     failure = exc
@@ -289,9 +331,10 @@ class Router:
         started: float,
         attempt: int,
         predicted_blocks: int,
+        exact: ExactRequest | None = None,
     ) -> web.StreamResponse:
         rid = req.rid or request_id
-        lease = self._dispatch(req, worker, record)
+        lease = self._dispatch(req, worker, record, exact)
         upstream: UpstreamResponse | None = None
         extra = {
             "x-request-id": request_id,
@@ -320,7 +363,7 @@ class Router:
             lease.release()
             if upstream is not None:
                 upstream.release()
-        self._feedback(req, worker, lease, predicted_blocks, record, outcome)
+        self._feedback(req, worker, lease, predicted_blocks, record, outcome, exact)
         record.outcome = DecisionOutcome(
             status=outcome.status,
             ttft_s=outcome.ttft_s,

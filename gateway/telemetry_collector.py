@@ -15,6 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.telemetry_snapshot import HEALTH_FLAGS, FleetSnapshot, SnapshotProvider
 
 _W = ["worker"]
+INDEX_MODES = ("exact", "approximate", "degraded")  # gateway.kv_events.MODES
+_WM = ["worker", "mode"]
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -46,6 +48,11 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "usage": _gauge(
             "gateway_worker_engine_token_usage_ratio", "KV token usage the worker reports, 0..1."
         ),
+        "mode": _gauge(
+            "gateway_index_mode",
+            "1 for the worker's prefix index mode (exact, approximate, degraded), else 0.",
+            ["worker", "mode"],
+        ),
         "blocks": _gauge("gateway_prefix_index_blocks", "Blocks the prefix index holds."),
         "bytes": _gauge("gateway_prefix_index_bytes", "Approximate prefix index memory."),
         "idx_pred": CounterMetricFamily(
@@ -76,11 +83,43 @@ def _fill(fams: dict[str, GaugeMetricFamily | CounterMetricFamily], snap: FleetS
             fams["waiting"].add_metric(lv, w.engine_waiting)
         if w.engine_token_usage is not None:
             fams["usage"].add_metric(lv, w.engine_token_usage)
+        if w.index_mode is not None:
+            for mode in INDEX_MODES:
+                fams["mode"].add_metric([w.worker, mode], 1.0 if w.index_mode == mode else 0.0)
         if w.index is not None:
             fams["blocks"].add_metric(lv, w.index.blocks)
             fams["bytes"].add_metric(lv, w.index.approx_bytes)
             fams["idx_pred"].add_metric(lv, w.index.predicted_tokens)
             fams["idx_rep"].add_metric(lv, w.index.reported_tokens)
+
+
+def _mode_fidelity(snap: FleetSnapshot) -> Iterator[Metric]:
+    """Predicted vs reported cached tokens by index mode (only once there are any)."""
+    fams = (
+        CounterMetricFamily(
+            "gateway_index_mode_predicted_cached_tokens",
+            "Cached tokens predicted at dispatch, by the worker's index mode then.",
+            labels=_WM,
+        ),
+        CounterMetricFamily(
+            "gateway_index_mode_true_predicted_cached_tokens",
+            "Predicted cached tokens the worker confirmed (min of predicted and reported).",
+            labels=_WM,
+        ),
+        CounterMetricFamily(
+            "gateway_index_mode_reported_cached_tokens",
+            "Cached tokens workers reported, by the index mode at dispatch.",
+            labels=_WM,
+        ),
+    )
+    any_sample = False
+    for w in snap.workers:
+        for mode, _, predicted, true_predicted, reported in w.mode_fidelity:
+            any_sample = True
+            for fam, value in zip(fams, (predicted, true_predicted, reported), strict=True):
+                fam.add_metric([w.worker, mode], value)
+    if any_sample:
+        yield from fams
 
 
 def _admission(snap: FleetSnapshot) -> Iterator[Metric]:
@@ -135,4 +174,5 @@ class FleetCollector:
         fams = _families()
         _fill(fams, snap)
         yield from fams.values()
+        yield from _mode_fidelity(snap)
         yield from _admission(snap)

@@ -141,6 +141,18 @@ class IndexStatsSource(Protocol):
     def stats(self, worker_id: str) -> Any: ...
 
 
+class ModeSource(Protocol):
+    """Exact mode's figures per worker (``gateway.kv_events.KVEventsManager``)."""
+
+    @property
+    def fidelity(self) -> Mapping[tuple[str, str], Any]: ...
+
+    def mode(self, worker_id: str) -> str: ...
+
+
+MODE_APPROXIMATE = "approximate"  # every worker's mode when exact mode is off
+
+
 class RegistrySnapshot:
     """A :data:`SnapshotProvider` over the registry, the prefix index and admission."""
 
@@ -151,11 +163,13 @@ class RegistrySnapshot:
         index: IndexStatsSource | None = None,
         admission: Admission | None = None,
         policy: str | None = None,
+        modes: ModeSource | None = None,
     ) -> None:
         self.registry = registry
         self.index = index
         self.admission = admission
         self.policy = policy
+        self.modes = modes
 
     def _worker(self, w: Worker, now: float) -> WorkerSnapshot:
         load = w.engine_load
@@ -178,7 +192,17 @@ class RegistrySnapshot:
             engine_token_usage=None if load is None else load.token_usage,
             engine_age_s=None if load is None else max(0.0, now - w.load_read_at),
             index=figures,
+            index_mode=MODE_APPROXIMATE if self.modes is None else self.modes.mode(w.id),
+            mode_fidelity=() if self.modes is None else self._fidelity(w.id),
         )
+
+    def _fidelity(self, worker_id: str) -> list[tuple[str, int, int, int, int]]:
+        assert self.modes is not None
+        return [
+            (mode, f.requests, f.predicted_tokens, f.true_predicted_tokens, f.reported_tokens)
+            for (wid, mode), f in list(self.modes.fidelity.items())
+            if wid == worker_id
+        ]
 
     def __call__(self) -> FleetSnapshot:
         now = self.registry.clock()

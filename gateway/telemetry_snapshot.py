@@ -50,6 +50,10 @@ class WorkerSnapshot:
     engine_token_usage: float | None = None  # 0..1
     engine_age_s: float | None = None
     index: IndexFigures | None = None
+    # exact / approximate / degraded (gateway.kv_events); None: not reported
+    index_mode: str | None = None
+    # (mode, requests, predicted, true predicted, reported) cached tokens, cumulative
+    mode_fidelity: Sequence[tuple[str, int, int, int, int]] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for ``/dashboard/data`` and ``/debug/index``."""
@@ -65,6 +69,7 @@ class WorkerSnapshot:
             "engine_waiting": self.engine_waiting,
             "engine_token_usage": self.engine_token_usage,
             "engine_age_s": self.engine_age_s,
+            "index_mode": self.index_mode,
         }
 
 
