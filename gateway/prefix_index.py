@@ -375,6 +375,12 @@ class PrefixIndex:
     def workers(self) -> list[str]:
         return list(self._workers)
 
+    def blocks(self, worker_id: str) -> list[int]:
+        """The worker's believed blocks, most recently used first (a snapshot for
+        ``gateway.shared_state``: recording them in this order rebuilds the LRU)."""
+        state = self._workers.get(worker_id)
+        return list(reversed(state.lru)) if state is not None else []
+
     def free_sequences(self, worker_id: str) -> int | None:
         """Chains the worker can still take without evicting one (None: no sequence bound)."""
         state = self._workers.get(worker_id)

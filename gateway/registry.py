@@ -8,7 +8,9 @@ Contract:
   requests whatever the others say.
 - ``in_flight``, ``queued_prefill_tokens`` and ``decoding_requests`` are changed only by
   ``gateway.lease.Lease``; the active checker and the outlier detector change the flags;
-  the load poller changes ``engine_load``.
+  the load poller changes ``engine_load``; the shared state (``gateway.shared_state``)
+  changes ``peer_in_flight``, ``peer_queued_prefill_tokens`` and ``peer_decoding_requests``
+  (other gateways' counts, added in :meth:`Worker.view`).
 - :meth:`WorkerRegistry.candidates` applies the panic threshold: when too few workers are
   healthy it returns every non-draining worker, since then the health signals themselves
   are more likely wrong than the whole fleet.
@@ -81,6 +83,9 @@ class Worker:
         "last_ejected_at",
         "load_read_at",
         "metadata",
+        "peer_decoding_requests",
+        "peer_in_flight",
+        "peer_queued_prefill_tokens",
         "queued_prefill_tokens",
         "times_ejected",
         "url",
@@ -97,6 +102,11 @@ class Worker:
         self.in_flight = 0
         self.queued_prefill_tokens = 0
         self.decoding_requests = 0
+        # the same three as other gateways last published them (gateway.shared_state);
+        # a policy sees the sums
+        self.peer_in_flight = 0
+        self.peer_queued_prefill_tokens = 0
+        self.peer_decoding_requests = 0
         self.metadata = WorkerMetadata()
         self.engine_load: EngineLoad | None = None
         self.load_read_at = 0.0
@@ -137,9 +147,9 @@ class Worker:
             )
         return WorkerView(
             id=self.id,
-            in_flight=self.in_flight,
-            queued_prefill_tokens=self.queued_prefill_tokens,
-            decoding_requests=self.decoding_requests,
+            in_flight=self.in_flight + self.peer_in_flight,
+            queued_prefill_tokens=self.queued_prefill_tokens + self.peer_queued_prefill_tokens,
+            decoding_requests=self.decoding_requests + self.peer_decoding_requests,
             capacity_tokens=self.metadata.capacity_tokens,
             engine_load=load,
             matched_tokens=matched_tokens,
