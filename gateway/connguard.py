@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
@@ -72,13 +72,13 @@ class _Guarded(asyncio.Protocol):
         self._counted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses: no isinstance check
         guard = self._guard
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)
         if guard.max_connections and guard.open >= guard.max_connections:
             guard.refused += 1
-            transport.write(guard._busy)
-            transport.close()
+            self._transport.write(guard._busy)
+            self._transport.close()
             return
         guard.open += 1
         self._counted = True
