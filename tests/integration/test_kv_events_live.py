@@ -178,3 +178,25 @@ def test_cli_flags() -> None:
     config = config_from_args(args)
     assert config.kv_events_config == KV_CONFIG and config.kv_events_legacy_array
     config.validate()
+
+
+async def test_legacy_array_encoding_live(session: aiohttp.ClientSession) -> None:
+    config = SimConfig(
+        speed=50.0, page_size=16, kv_events_config=KV_CONFIG, kv_events_legacy_array=True
+    )
+    async with await SimulatedFleet.start(1, config) as fleet:
+        url = fleet.urls[0]
+        async with session.post(
+            f"{url}/generate", json={"text": _text(5, 80), "sampling_params": {"max_new_tokens": 1}}
+        ) as resp:
+            assert resp.status == 200
+        # the manager starts after the traffic: its catch-up replay (legacy reply frames)
+        # rebuilds the worker's blocks
+        mgr = await _manager(fleet, session)
+        try:
+            await _until(lambda: mgr.index.blocks("w0") > 0, within_s=3.0)
+            client = _Client(session, mgr)
+            exact, _ = client.predictions(_text(5, 80), "w0")
+            assert exact > 0
+        finally:
+            await mgr.close()
