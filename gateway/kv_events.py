@@ -518,8 +518,8 @@ class KVEventsManager:
             self.index.clear(wid)
             self.predicted.forget(wid)
             del self._states[wid]
-        for wid, url in current.items():
-            info = await self._server_info(url)
+        infos = await asyncio.gather(*(self._server_info(url) for url in current.values()))
+        for (wid, url), info in zip(current.items(), infos, strict=True):
             state = self._states.setdefault(wid, _WorkerState())
             if info is None:
                 continue
