@@ -34,8 +34,10 @@ which it shares the longest prefix when that exceeds ``_REUSE_SHARE`` of its blo
 (llama.cpp reuses the slot most similar to the prompt, above 10 %), else it is added and
 the least recently used chain is evicted beyond ``n``. A chain dropped so loses only its
 blocks beyond what the worker's other chains share with it. Such a worker holds the very
-prompt it just answered, so ``correct`` does not trim it (the reports still count in the
-fidelity figures); a shortfall there means a slot was taken over, which the bound models.
+prompt it just answered, so ``correct`` does not trim it; a shortfall there means the
+prompt ran in another slot than the one believed to hold it (busy with a sibling, or long
+overwritten), so when all slots are believed in use, the least recently used other chain
+is dropped: the engine overwrote its least recently used idle slot.
 
 Recording order and invariant: a prompt's blocks are touched deepest first, so its first
 block is the most recently used and LRU eviction removes a chain from its tail, as the
@@ -261,6 +263,16 @@ class PrefixIndex:
         while len(sequences) > bound:
             self._drop_sequence(state, next(iter(sequences)))
 
+    def _slot_taken(self, state: _WorkerBlocks, leaf: int, bound: int) -> None:
+        """A slot-bound worker missed a prompt believed held: it ran it in another slot
+        (the believed one was busy with a sibling, or long gone), so with every slot
+        believed in use the least recently used other chain is the one it overwrote."""
+        if len(state.sequences) < bound:
+            return  # it had an empty slot
+        victim = next((k for k in state.sequences if k != leaf), None)
+        if victim is not None:
+            self._drop_sequence(state, victim)
+
     def _drop_sequence(self, state: _WorkerBlocks, leaf: int) -> None:
         """Forget one held chain's blocks beyond what the other held chains share."""
         chain = state.sequences.pop(leaf)
@@ -317,7 +329,10 @@ class PrefixIndex:
         state.predicted_tokens += int(predicted_blocks * self._block_tokens)
         state.reported_tokens += reported_tokens
         if state.max_sequences is not None:
-            return  # it holds this prompt now; a lost slot is the sequence bound's part
+            real_blocks = reported_tokens / self._block_tokens * (1.0 + self._tolerance)
+            if block_hashes and int(real_blocks) < predicted_blocks:
+                self._slot_taken(state, block_hashes[-1], state.max_sequences)
+            return  # it holds this prompt now (see "Sequence bound")
         real = reported_tokens / self._block_tokens
         keep = int(real * (1.0 + self._tolerance))
         if keep >= predicted_blocks:

@@ -248,3 +248,18 @@ def test_a_free_slot_beats_a_queue_for_a_cold_prompt() -> None:
     idle_full = WorkerView(id="full", free_sequences=0)
     ctx = RouteContext(1000, [idle_full, busy_with_room], random.Random(0))
     assert MinTtftPolicy().select(ctx).worker_id == "room"
+
+
+def test_a_miss_on_a_full_slot_worker_drops_the_chain_it_overwrote() -> None:
+    ix = PrefixIndex()
+    ix.set_capacity("w", 8192, max_sequences=2)
+    p6a, p6b, p7 = _prompt("p", "a"), _prompt("p", "b"), _prompt("q", "a")
+    ix.record(p7, "w")
+    ix.record(p6a, "w")
+    ix.record(p6b, "w")  # a sibling sent while p6a still ran: another slot, p7's
+    ix.correct("w", p6b, predicted_blocks=10, reported_tokens=8)
+    assert ix.match(p7) == {}  # overwritten
+    assert ix.match(p6b) == {"w": 12}
+    assert ix.free_sequences("w") == 1
+    ix.correct("w", p6b, predicted_blocks=10, reported_tokens=8)  # a free slot: no drop
+    assert ix.match(p6b) == {"w": 12}
