@@ -39,6 +39,20 @@ prompt ran in another slot than the one believed to hold it (busy with a sibling
 overwritten), so when all slots are believed in use, the least recently used other chain
 is dropped: the engine overwrote its least recently used idle slot.
 
+Pins (after the engine's lock on a running request's path): a recording is *in flight*
+until ``correct`` reports its response complete, and meanwhile its blocks are pinned
+(``pins``, a count per block) rather than in the LRU, so newer recordings evict other
+blocks first, as SGLang's radix cache never evicts a locked path. On completion the
+blocks held by no other in-flight recording join the LRU as most recently used (SGLang
+touches the whole path when it caches the finished request). Measured on the Mooncake
+conversation trace replay (BENCHMARKS.md, "Policy tuning"): responses stay in flight
+about 20 s against a cache turnover of about 30 s, so ageing blocks from dispatch
+dropped prefixes still locked on the worker. Bounds: pinned blocks count toward the
+capacity; when pins alone exceed it (more in flight than the pool can lock, i.e. queued
+requests) the oldest recordings are released first; a recording never released (an
+error without usage, a peer gateway's recording) expires after ``pin_ttl_s``.
+Sequence-bounded workers are not pinned.
+
 Recording order and invariant: a prompt's blocks are touched deepest first, so its first
 block is the most recently used and LRU eviction removes a chain from its tail, as the
 engine's radix cache evicts leaves first. Hence each worker's believed blocks are
@@ -79,6 +93,9 @@ _MAX_FRESH = 4096
 # A chain takes over a held one sharing more than this share of its blocks (llama.cpp's
 # default slot_prompt_similarity).
 _REUSE_SHARE = 0.1
+# A recording not released by ``correct`` within this many seconds stops pinning its blocks
+# (a response that never reported, e.g. an error, or a peer gateway's recording).
+DEFAULT_PIN_TTL_S = 300.0
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -112,6 +129,13 @@ class _WorkerBlocks:
     max_sequences: int | None = None  # None: bounded by blocks only
     # last block of each held chain -> the chain (LRU: front = least recently recorded)
     sequences: OrderedDict[int, tuple[int, ...]] = field(default_factory=OrderedDict)
+    # blocks of in-flight recordings (see "Pins"): block -> recordings holding it; a block
+    # is either here or in ``lru``, never both
+    pins: dict[int, int] = field(default_factory=dict)
+    # in-flight recordings, oldest first: sequence number -> (chain, time recorded)
+    inflight: OrderedDict[int, tuple[Sequence[int], float]] = field(default_factory=OrderedDict)
+    # last block of an in-flight chain -> its recordings' sequence numbers, oldest first
+    inflight_by_leaf: dict[int, list[int]] = field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -123,6 +147,7 @@ class PrefixIndex:
         *,
         correction_tolerance: float = 0.25,
         correction_grace_s: float = 10.0,
+        pin_ttl_s: float = DEFAULT_PIN_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # 26,250 blocks x 16 tokens = 420k tokens: one H100-80GB worker's KV for an 8B
@@ -136,6 +161,8 @@ class PrefixIndex:
         self._max_blocks = max_blocks_per_worker
         self._tolerance = correction_tolerance
         self._grace_s = correction_grace_s
+        self._pin_ttl_s = pin_ttl_s
+        self._seq = 0  # numbers in-flight recordings
         self._clock = clock
         self._holders: dict[int, int] = {}  # block hash -> bitmask of workers
         self._workers: dict[str, _WorkerBlocks] = {}
@@ -164,8 +191,13 @@ class PrefixIndex:
         if max_sequences is not None and state.max_sequences is None:
             for h in state.lru:
                 self._clear(h, state.bit)
+            for h in state.pins:
+                self._clear(h, state.bit)
             state.lru.clear()
             state.fresh.clear()
+            state.pins.clear()
+            state.inflight.clear()
+            state.inflight_by_leaf.clear()
         elif max_sequences is None:
             state.sequences.clear()
         state.max_sequences = max_sequences
@@ -226,16 +258,34 @@ class PrefixIndex:
         t = self._clock() if now is None else now
         lru, holders, bit = state.lru, self._holders, state.bit
         first_new: int | None = None
-        # Deepest block first, so block 0 ends up the most recently used. A plain loop:
-        # measured faster than OrderedDict.update + move_to_end driven from C.
-        for h in reversed(block_hashes):
-            if h in lru:
-                lru.move_to_end(h)
-                lru[h] = t
-            else:
-                lru[h] = t
-                holders[h] = holders.get(h, 0) | bit
-                first_new = h
+        if state.max_sequences is None:
+            # pinned until ``correct`` releases this recording (see "Pins"); deepest block
+            # first, so the chain's first new block is the shallowest
+            pins = state.pins
+            for h in reversed(block_hashes):
+                c = pins.get(h)
+                if c is not None:
+                    pins[h] = c + 1
+                    continue
+                if lru.pop(h, None) is None:
+                    holders[h] = holders.get(h, 0) | bit
+                    first_new = h
+                pins[h] = 1
+            self._seq += 1
+            state.inflight[self._seq] = (block_hashes, t)
+            state.inflight_by_leaf.setdefault(block_hashes[-1], []).append(self._seq)
+            self._expire_pins(state, t)
+        else:
+            # Deepest block first, so block 0 ends up the most recently used. A plain
+            # loop: measured faster than OrderedDict.update + move_to_end driven from C.
+            for h in reversed(block_hashes):
+                if h in lru:
+                    lru.move_to_end(h)
+                    lru[h] = t
+                else:
+                    lru[h] = t
+                    holders[h] = holders.get(h, 0) | bit
+                    first_new = h
         if first_new is not None:
             # where this prompt starts adding to the worker: a sibling routed there while
             # this one is still in prefill will report a cache miss from here on
@@ -289,10 +339,39 @@ class PrefixIndex:
             fresh.popitem(last=False)
 
     def _evict_over_capacity(self, state: _WorkerBlocks) -> None:
-        lru = state.lru
-        while len(lru) > state.capacity:
+        lru, pins, inflight = state.lru, state.pins, state.inflight
+        # the engine cannot lock more than its pool: release the oldest recordings first
+        while len(pins) > state.capacity and inflight:
+            self._release(state, next(iter(inflight)), None)
+        while lru and len(lru) + len(pins) > state.capacity:
             h, _ = lru.popitem(last=False)
             self._clear(h, state.bit)
+
+    def _release(self, state: _WorkerBlocks, seq: int, now: float | None) -> None:
+        """Unpin one in-flight recording: its blocks held by no other in-flight recording
+        join the LRU as most recently used, deepest first (as the engine touches the whole
+        path when the request finishes); ``now`` None keeps its recording time."""
+        chain, t = state.inflight.pop(seq)
+        seqs = state.inflight_by_leaf[chain[-1]]
+        seqs.remove(seq)
+        if not seqs:
+            del state.inflight_by_leaf[chain[-1]]
+        t = t if now is None else now
+        lru, pins = state.lru, state.pins
+        for h in reversed(chain):
+            c = pins.get(h)
+            if c is None:
+                continue
+            if c > 1:
+                pins[h] = c - 1
+            else:
+                del pins[h]
+                lru[h] = t
+
+    def _expire_pins(self, state: _WorkerBlocks, now: float) -> None:
+        inflight, horizon = state.inflight, now - self._pin_ttl_s
+        while inflight and next(iter(inflight.values()))[1] < horizon:
+            self._release(state, next(iter(inflight)), None)
 
     def _clear(self, h: int, bit: int) -> None:
         mask = self._holders.get(h, 0) & ~bit
@@ -308,6 +387,8 @@ class PrefixIndex:
         if state is None:
             return
         for h in state.lru:
+            self._clear(h, state.bit)
+        for h in state.pins:
             self._clear(h, state.bit)
         del self._names[state.bit]
         self._free_bits.append(state.bit)
@@ -333,11 +414,14 @@ class PrefixIndex:
             if block_hashes and int(real_blocks) < predicted_blocks:
                 self._slot_taken(state, block_hashes[-1], state.max_sequences)
             return  # it holds this prompt now (see "Sequence bound")
+        t = self._clock() if now is None else now
+        seqs = state.inflight_by_leaf.get(block_hashes[-1]) if block_hashes else None
+        if seqs:  # the response is complete: the engine unlocks (and touches) its path
+            self._release(state, seqs[0], t)
         real = reported_tokens / self._block_tokens
         keep = int(real * (1.0 + self._tolerance))
         if keep >= predicted_blocks:
             return
-        t = self._clock() if now is None else now
         if self._recently_extended(state, block_hashes, real, predicted_blocks, t):
             return  # a sibling recorded moments ago is still in prefill there
         lru = state.lru
@@ -368,6 +452,7 @@ class PrefixIndex:
             return 0
         horizon, dropped = now - max_idle_s, 0
         for state in self._workers.values():
+            self._expire_pins(state, now)
             lru = state.lru
             while lru and next(iter(lru.values())) < horizon:
                 h, _ = lru.popitem(last=False)
@@ -382,7 +467,7 @@ class PrefixIndex:
         state = self._workers.get(worker_id)
         if state is None:
             return IndexStats(0, 0, 0, 0)
-        blocks = len(state.lru)
+        blocks = len(state.lru) + len(state.pins)
         return IndexStats(
             blocks, blocks * APPROX_BYTES_PER_BLOCK, state.predicted_tokens, state.reported_tokens
         )
@@ -394,7 +479,10 @@ class PrefixIndex:
         """The worker's believed blocks, most recently used first (a snapshot for
         ``gateway.shared_state``: recording them in this order rebuilds the LRU)."""
         state = self._workers.get(worker_id)
-        return list(reversed(state.lru)) if state is not None else []
+        if state is None:
+            return []
+        # pinned (in-flight) blocks first; reversed insertion puts a chain's root first
+        return [*reversed(state.pins), *reversed(state.lru)]
 
     def free_sequences(self, worker_id: str) -> int | None:
         """Chains the worker can still take without evicting one (None: no sequence bound)."""

@@ -151,7 +151,8 @@ def test_evict_idle() -> None:
     ix = PrefixIndex()
     old, new = chain("o", 4), chain("n", 4)
     ix.record(old, "w", now=0.0)
-    ix.record(new, "w", now=50.0)
+    ix.correct("w", old, 0, 4 * 16, now=10.0)  # its response completed at 10 s
+    ix.record(new, "w", now=50.0)  # still in flight: pinned, never idle
     assert ix.evict_idle(now=60.0, max_idle_s=0) == 0
     assert ix.evict_idle(now=60.0, max_idle_s=30.0) == 4
     assert ix.match(old) == {}
@@ -208,7 +209,7 @@ def replay(operations: list[tuple[str, str, int, int, int]], exact: bool) -> Non
         else:
             ix.set_capacity(worker, number)
             capacity[worker] = max(1, -(-number // 16))
-        held = {w: set(ix._workers[w].lru) for w in ix.workers()}
+        held = {w: set(ix._workers[w].lru) | set(ix._workers[w].pins) for w in ix.workers()}
         for w, blocks in held.items():
             assert len(blocks) <= capacity[w]
         # the flat map holds exactly the union of the LRUs
@@ -250,7 +251,37 @@ def test_grace_applies_where_a_recent_recording_started_adding() -> None:
     # the sibling saw only the old system prompt: explained by the first one's prefill
     ix.correct("w", sibling, predicted_blocks=12, reported_tokens=4 * 16, now=101.0)
     assert ix.match(sibling) == {"w": 12}
+    ix.correct("w", first, predicted_blocks=4, reported_tokens=4 * 16, now=102.0)
     # the same shortfall long after: the blocks were evicted, trim beyond the real match
     ix.correct("w", sibling, predicted_blocks=12, reported_tokens=4 * 16, now=200.0)
     assert ix.match(sibling) == {"w": 4}
     assert ix.match(system) == {"w": 4}
+
+
+def test_in_flight_recording_is_pinned_until_its_response_completes() -> None:
+    """The engine locks a running request's path: newer prompts beyond capacity evict
+    other blocks, not those; on completion the path is touched (most recently used)."""
+    ix = PrefixIndex(block_tokens=16.0, default_capacity_blocks=20)
+    running = chain("r", 10)
+    ix.record(running, "w", now=0.0)  # a long generation, still decoding below
+    for i in range(3):
+        done = chain(f"d{i}", 10)
+        ix.record(done, "w", now=1.0 + i)
+        ix.correct("w", done, 0, 10 * 16, now=1.5 + i)
+    assert ix.match(running) == {"w": 10}
+    assert ix.stats("w").blocks == 20
+    ix.correct("w", running, 0, 0, now=10.0)  # completes: unpinned, most recent
+    ix.record(chain("n", 10), "w", now=11.0)
+    assert ix.match(running) == {"w": 10}
+    assert ix.match(chain("d2", 10)) == {}
+
+
+def test_pins_never_exceed_capacity_and_expire() -> None:
+    ix = PrefixIndex(block_tokens=16.0, default_capacity_blocks=20, pin_ttl_s=30.0)
+    first, second, third = chain("a", 10), chain("b", 10), chain("c", 10)
+    for t, c in enumerate((first, second, third)):
+        ix.record(c, "w", now=float(t))  # never completed (e.g. an error, a peer's)
+    assert ix.stats("w").blocks == 20  # the oldest recording was released and evicted
+    assert ix.match(first) == {}
+    ix.record(chain("d", 2), "w", now=100.0)  # b and c expired: plain LRU again
+    assert ix.match(second) == {"w": 8} and ix.match(third) == {"w": 10}
