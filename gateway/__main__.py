@@ -69,6 +69,39 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         {"help": "exact mode tokenizer: sim or hf:<dir> (sim)"},
     ),
     "--api-key": ("server.api_key", {"help": "require Authorization: Bearer KEY"}),
+    "--api-keys-file": ("server.api_keys_file", {"help": "more client keys, one a line"}),
+    "--admin-api-key": (
+        "server.admin_api_key",
+        {"help": "key for /workers, /debug, /dashboard (else they take the client keys)"},
+    ),
+    "--worker-allowlist": (
+        "server.worker_allowlist",
+        {"nargs": "+", "metavar": "HOST_OR_CIDR", "help": "where POST /workers may point"},
+    ),
+    "--rate-limit-per-sec": (
+        "server.rate_limit_per_s",
+        {"type": float, "help": "requests per second per client key; 0 off (0)"},
+    ),
+    "--max-connections": (
+        "server.max_connections",
+        {"type": int, "help": "open client connections at most; 0 no cap (10000)"},
+    ),
+    "--connect-timeout-secs": (
+        "server.connect_timeout_s",
+        {"type": float, "help": "connecting to a worker (5)"},
+    ),
+    "--first-byte-timeout-secs": (
+        "server.first_byte_timeout_s",
+        {"type": float, "help": "worker's response head, then retry elsewhere; 0 off (0)"},
+    ),
+    "--stream-idle-timeout-secs": (
+        "server.stream_idle_timeout_s",
+        {"type": float, "help": "silence between streamed chunks; 0 off (120)"},
+    ),
+    "--shutdown-grace-secs": (
+        "server.shutdown_grace_s",
+        {"type": float, "help": "on SIGTERM, time for in-flight requests (30)"},
+    ),
     "--request-timeout-secs": (
         "server.request_timeout_s",
         {"type": float, "help": "bound on one worker attempt (1800)"},

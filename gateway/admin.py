@@ -9,6 +9,7 @@ Contract:
 - ``GET /workers``: every worker's live state; ``GET /workers/{id}``: one (404 if unknown);
   ``DELETE /workers/{id}``: removes it (in-flight requests finish; the prefix index and
   cost model forget it). ``{id}`` may also be the worker's URL, percent-encoded.
+- Adding refuses (403) a URL whose host is outside ``server.worker_allowlist``.
 - ``POST /workers/{id}/drain``: no new requests go there; in-flight ones finish (202).
 - Legacy: ``POST /add_worker?url=``, ``POST /remove_worker?url=``, ``GET /list_workers``.
 """
@@ -22,10 +23,23 @@ import orjson
 from aiohttp import web
 
 from gateway import keys
+from gateway.allowlist import HostAllowList, NotAllowed
 from gateway.config import validate_worker_url
 from gateway.errors import GatewayError
 from gateway.registry import HealthFlag, Worker
 from gateway.worker_kinds import configured_kind, parse_worker_spec
+
+ALLOWLIST = web.AppKey("worker_allowlist", HostAllowList)  # set by gateway.app
+
+
+async def _allowed(app: web.Application, url: str) -> None:
+    """403 unless ``url``'s host is in the worker allow-list (no SSRF via the admin API)."""
+    allow = app.get(ALLOWLIST)
+    if allow is not None:
+        try:
+            await allow.check(url)
+        except NotAllowed as exc:
+            raise GatewayError(403, str(exc), param="url") from None
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -66,6 +80,7 @@ async def _add(request: web.Request, raw_url: object, kind: object = None) -> we
     app = request.app
     if not given:
         parsed = configured_kind(app[keys.CONFIG].worker_kind)
+    await _allowed(app, url)
     worker, created = app[keys.REGISTRY].add(url, parsed)
     if created:
         await app[keys.HEALTH].check_now(worker)

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from gateway import admin, keys, server
 from gateway.admission import Admission
+from gateway.allowlist import HostAllowList
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
 from gateway.cost_model import CostModel
 from gateway.debug_api import add_telemetry_routes
@@ -29,6 +30,7 @@ from gateway.decisions import DecisionLog
 from gateway.health import HealthChecker
 from gateway.kv_events import KVEventsManager, KVEventsSettings
 from gateway.load import LoadPoller
+from gateway.openapi import add_openapi_route
 from gateway.outlier import OutlierDetector
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import Worker, WorkerRegistry
@@ -97,6 +99,8 @@ def build_app(
     app.cleanup_ctx.append(lambda a: _runtime(a, policy, rng or random.Random(config.policy.seed)))
     server.add_routes(app)
     admin.add_routes(app)
+    app[admin.ALLOWLIST] = HostAllowList(config.server.worker_allowlist)
+    add_openapi_route(app)
     add_telemetry_routes(app, telemetry=telemetry, decisions=app[keys.DECISIONS])
     return app
 
@@ -174,7 +178,10 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     )
     costs = CostModel()
     pool = UpstreamPool(
-        config.server.connect_timeout_s, max_idle_per_worker=config.server.connections_per_worker
+        config.server.connect_timeout_s,
+        max_idle_per_worker=config.server.connections_per_worker,
+        first_byte_timeout_s=config.server.first_byte_timeout_s,
+        read_idle_timeout_s=config.server.stream_idle_timeout_s,
     )
     health = HealthChecker(config.health, registry, session)
     load = LoadPoller(config.load, registry, session, config.health.timeout_s)

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from gateway.allowlist import DEFAULT_ALLOWED
 from gateway.worker_kinds import AUTO, KIND_NAMES, parse_worker_spec
 
 LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
@@ -56,6 +57,47 @@ class ServerConfig:
     abort_timeout_s: float = 2.0
     # Connections kept alive per worker; sized for the concurrency one worker sustains.
     connections_per_worker: int = 256
+    # --- keys, limits and timeouts (docs/SECURITY.md) -------------------------------
+    # More client keys: a list, the environment variable named here (keys separated by
+    # commas or spaces) and a file (one key per line). Any key from any source enables
+    # keys; api_key (--api-key) is one more.
+    api_keys: tuple[str, ...] = ()
+    api_keys_env: str = "GATEWAY_API_KEYS"
+    api_keys_file: str | None = None
+    # Admin key(s) for /workers*, /add_worker, /remove_worker, /list_workers, /admin,
+    # /debug/*, /dashboard*: 401 without a key, 403 with a client key. None: the admin
+    # routes take the client keys (sglang-router's single key).
+    admin_api_key: str | None = None
+    admin_api_keys_file: str | None = None
+    # Put /health, /readiness, /liveness and /metrics behind the client keys too.
+    protect_probes: bool = False
+    # Hosts, addresses and CIDR blocks the admin API may register workers at (SSRF
+    # guard; "*" allows any). Loopback and private ranges: a fleet on one host or one
+    # private network. Link-local (cloud metadata) and public addresses are refused.
+    worker_allowlist: tuple[str, ...] = DEFAULT_ALLOWED
+    # Token bucket per client key (per client address without keys): requests per
+    # second and burst; over it, 429 with Retry-After. 0: no rate limit.
+    rate_limit_per_s: float = 0.0
+    rate_limit_burst: int = 20
+    # Open client connections at most; beyond, 503 with Retry-After and close. 0: no cap.
+    max_connections: int = 10000
+    # A new connection's first request head must arrive within this (slowloris). 0: none.
+    header_timeout_s: float = 10.0
+    # Idle kept-alive client connections are closed after this (aiohttp's is an hour).
+    keepalive_timeout_s: float = 75.0
+    # Longest request line or header line in bytes; longer gets 400.
+    max_header_size: int = 8190
+    # A request body must be read whole within this; slower gets 408.
+    client_body_timeout_s: float = 60.0
+    # The worker's response head must arrive within this of sending, else the attempt
+    # is retried on another worker and the worker penalised. A non-streaming head comes
+    # at the end of its generation: keep it above the longest one. 0: request_timeout_s.
+    first_byte_timeout_s: float = 0.0
+    # Longest silence in a worker's body (between streamed chunks, or before the first
+    # event once the head came): the stream ends with a 504 error event. 0: none.
+    stream_idle_timeout_s: float = 120.0
+    # On SIGTERM: stop accepting, let in-flight requests finish within this, then exit 0.
+    shutdown_grace_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +287,10 @@ def validate_worker_url(url: object) -> str:
         raise ValueError(f"worker URL {url!r} has an invalid port") from None
     if port is None:
         raise ValueError(f"worker URL {url!r} needs an explicit port")
+    try:
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise ValueError(f"worker URL {url!r} has an invalid host name") from None
     if parts.query or parts.fragment:
         raise ValueError(f"worker URL {url!r} must not carry a query or fragment")
     return url.strip().rstrip("/")
@@ -362,6 +408,7 @@ def validate(cfg: GatewayConfig) -> None:
     )
     if s.api_key is not None:
         _check(bool(s.api_key), "server.api_key", "must not be empty when set", s.api_key)
+    _validate_security(s)
     for i, spec in enumerate(cfg.workers):
         try:
             validate_worker_url(parse_worker_spec(spec)[0])
@@ -421,6 +468,43 @@ def validate(cfg: GatewayConfig) -> None:
     _check(
         cfg.decisions.ring_size >= 1, "decisions.ring_size", "must be ≥ 1", cfg.decisions.ring_size
     )
+
+
+def _validate_security(s: ServerConfig) -> None:
+    from gateway.allowlist import parse_entries
+    from gateway.auth import read_key_file
+
+    try:
+        parse_entries(s.worker_allowlist)
+    except ValueError as exc:
+        raise ConfigError(f"server.worker_allowlist: {exc}") from None
+    for key, path in (
+        ("server.api_keys_file", s.api_keys_file),
+        ("server.admin_api_keys_file", s.admin_api_keys_file),
+    ):
+        if path is not None:
+            try:
+                read_key_file(path)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+    if s.admin_api_key is not None:
+        _check(bool(s.admin_api_key), "server.admin_api_key", "must not be empty when set", "")
+    for key, value in (
+        ("server.rate_limit_per_s", s.rate_limit_per_s),
+        ("server.header_timeout_s", s.header_timeout_s),
+        ("server.first_byte_timeout_s", s.first_byte_timeout_s),
+        ("server.stream_idle_timeout_s", s.stream_idle_timeout_s),
+        ("server.max_connections", s.max_connections),
+    ):
+        _check(value >= 0, key, "must be ≥ 0 (0: off)", value)
+    for key, value in (
+        ("server.keepalive_timeout_s", s.keepalive_timeout_s),
+        ("server.client_body_timeout_s", s.client_body_timeout_s),
+        ("server.shutdown_grace_s", s.shutdown_grace_s),
+    ):
+        _check(value > 0, key, "must be > 0", value)
+    _check(s.rate_limit_burst >= 1, "server.rate_limit_burst", "must be ≥ 1", s.rate_limit_burst)
+    _check(s.max_header_size >= 256, "server.max_header_size", "must be ≥ 256", s.max_header_size)
 
 
 def _validate_policy(p: PolicyConfig) -> None:

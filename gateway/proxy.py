@@ -35,7 +35,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.errors import stream_error_event
-from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from gateway.upstream import FirstByteTimeout, UpstreamError, UpstreamPool, UpstreamResponse
 
 # Never forwarded in either direction (RFC 9110 §7.6.1), plus lengths aiohttp recomputes.
 HOP_BY_HOP = frozenset(
@@ -75,7 +75,7 @@ class AttemptFailed(Exception):
         headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.kind = kind  # "connect" | "timeout" | "status" | "dropped"
+        self.kind = kind  # "connect" | "timeout" | "first_byte_timeout" | "status" | "dropped"
         self.message = message
         self.status = status
         self.body = body
@@ -119,6 +119,8 @@ async def send(
         return await pool.request(url, path, headers, body, deadline)
     except UpstreamError as exc:
         raise AttemptFailed("connect", str(exc)) from exc
+    except FirstByteTimeout as exc:  # retryable: the request's own budget is not spent
+        raise AttemptFailed("first_byte_timeout", "the worker sent nothing in time") from exc
     except TimeoutError as exc:
         raise AttemptFailed("timeout", "the worker timed out") from exc
 

@@ -56,6 +56,7 @@ from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView
 log = logging.getLogger(__name__)
 
 _NO_WORKER = "no worker is available to serve this request"
+_TIMEOUTS = ("timeout", "first_byte_timeout")  # attempt failures that penalise as a 5xx
 
 
 class PrefixMatcher(Protocol):
@@ -390,9 +391,9 @@ class Router:
     ) -> None:
         if exc.kind == "connect" or exc.kind == "dropped":
             self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
-        elif exc.kind == "status" and exc.status >= 500:
-            self._outlier.record(worker, OUTCOME_5XX)
-        if exc.kind in ("timeout", "dropped"):
+        elif (exc.kind == "status" and exc.status >= 500) or exc.kind in _TIMEOUTS:
+            self._outlier.record(worker, OUTCOME_5XX)  # a hang counts like a 5xx
+        if exc.kind in ("dropped", *_TIMEOUTS):
             self._abort(worker, rid, upstream)  # it may still be working on it
 
     def _abort(self, worker: Worker, rid: str, upstream: UpstreamResponse | None) -> None:
@@ -419,6 +420,6 @@ def _final_error(
         return failure.status, web.Response(
             status=failure.status, body=failure.body, headers=headers
         )
-    if failure.kind == "timeout":
+    if failure.kind in _TIMEOUTS:
         return 504, GatewayError(504, "the worker timed out")
     return 502, GatewayError(502, f"no worker could serve the request: {failure.message}")

@@ -8,16 +8,21 @@ Contract:
 - ``GET /v1/models``: the workers' model cards, fetched live and deduplicated by id.
 - ``GET /health`` and ``/readiness``: 200 while a worker is routable, 503 otherwise.
 - The middleware renders every error as OpenAI-style JSON with ``x-request-id``, logs one
-  line per error (5xx at WARNING, 4xx at INFO), and checks the API key
-  (``Authorization: Bearer``, constant-time) on every path but health, readiness and
-  metrics. No line is logged per successful request.
+  line per error (5xx at WARNING, 4xx at INFO), checks keys (``gateway.auth``: client
+  keys on the API, the admin key on admin routes, probes open unless configured) and
+  applies the per-key rate limit (``gateway.ratelimit``, API routes only). No line is
+  logged per successful request; keys and prompts are never logged.
+- While active probes flag every worker, a well-formed API request gets a fast 503 with
+  ``Retry-After`` instead of being tried on each dead worker in turn.
+- The listener passes through ``gateway.connguard`` (connection cap, head deadline);
+  aiohttp bounds header sizes and idle keep-alive; bodies are read within a deadline
+  (408). On SIGTERM the listener closes and in-flight requests get ``shutdown_grace_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import signal
@@ -29,9 +34,13 @@ import orjson
 from aiohttp import web
 
 from gateway import keys
+from gateway.auth import ANONYMOUS, Authenticator, collect_keys, path_scope
 from gateway.config import GatewayConfig
+from gateway.connguard import ConnectionGuard, GuardedSite
 from gateway.errors import GatewayError, error_response, render
 from gateway.proxy import ClientGone
+from gateway.ratelimit import RateLimiter
+from gateway.registry import HealthFlag, WorkerRegistry
 from gateway.request import ApiKind, RequestError, RouteRequest, parse_request
 
 log = logging.getLogger(__name__)
@@ -59,15 +68,17 @@ def request_id_of(request: web.Request, header_names: tuple[str, ...]) -> str:
 
 def make_middleware(config: GatewayConfig) -> Any:
     header_names = config.server.request_id_headers
-    key = config.server.api_key.encode() if config.server.api_key else None
+    auth = make_authenticator(config)
+    limiter = RateLimiter(config.server.rate_limit_per_s, config.server.rate_limit_burst)
+    guarded = auth.enabled or limiter.enabled  # else the hot path skips both
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         request_id = request_id_of(request, header_names)
         request[REQUEST_ID] = request_id
         try:
-            if key is not None and request.path not in OPEN_PATHS:
-                _check_api_key(request, key)
+            if guarded:
+                _admit(request, auth, limiter)
             return await handler(request)
         except GatewayError as exc:
             _log_error(request_id, request, exc.status, exc.message)
@@ -84,13 +95,25 @@ def make_middleware(config: GatewayConfig) -> Any:
     return middleware
 
 
-def _check_api_key(request: web.Request, key: bytes) -> None:
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'")
-    if not hmac.compare_digest(token.strip().encode(), key):
-        raise GatewayError(401, "invalid API key")
+def make_authenticator(config: GatewayConfig) -> Authenticator:
+    """Client and admin keys from every configured source (flag, list, env, files)."""
+    s = config.server
+    clients = collect_keys(
+        single=s.api_key, listed=s.api_keys, env_var=s.api_keys_env, file=s.api_keys_file
+    )
+    admins = collect_keys(single=s.admin_api_key, file=s.admin_api_keys_file)
+    return Authenticator(clients, admins, protect_probes=s.protect_probes)
+
+
+def _admit(request: web.Request, auth: Authenticator, limiter: RateLimiter) -> None:
+    """Keys, then the rate limit; GatewayError 401/403/429."""
+    principal = auth.check(request.path, request.headers)
+    if limiter.enabled and path_scope(request.path) == "api":
+        if principal == ANONYMOUS:
+            principal = "addr:" + (request.remote or "")
+        wait = limiter.take(principal)
+        if wait is not None:
+            raise GatewayError(429, "rate limit exceeded for this API key", retry_after=wait)
 
 
 def _http_message(exc: web.HTTPException, request: web.Request) -> str:
@@ -118,26 +141,33 @@ def _log_error(request_id: str, request: web.Request, status: int, message: str)
 # --- API handlers ---------------------------------------------------------------------
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
         raise GatewayError(413, f"request body of {length} bytes exceeds the limit of {limit}")
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise GatewayError(413, f"request body exceeds the limit of {limit} bytes") from None
+    except TimeoutError:
+        raise GatewayError(408, f"the request body did not arrive within {timeout_s:g} s") from None
 
 
 async def api_handler(request: web.Request) -> web.StreamResponse:
     app = request.app
     kind = API_PATHS[request.path]
-    body = await _read_body(request, app[keys.CONFIG].server.max_payload_size)
+    server_cfg = app[keys.CONFIG].server
+    body = await _read_body(request, server_cfg.max_payload_size, server_cfg.client_body_timeout_s)
     try:
         req = parse_request(kind, body, request.headers, app[keys.SETTINGS])
     except RequestError as exc:
         raise GatewayError(
             exc.status, exc.message, param=exc.param, err_type=exc.err_type
         ) from None
+    registry = app[keys.REGISTRY]
+    if not registry.ready() and _all_down(registry):  # fail fast, not worker by worker
+        raise GatewayError(503, "every worker is failing its health checks", retry_after=1.0)
     admission = app[keys.ADMISSION]
     if not admission.limited:  # the common case: no context manager on the hot path
         return await _route(app, request, req)
@@ -146,6 +176,15 @@ async def api_handler(request: web.Request) -> web.StreamResponse:
         return await _route(app, request, req)
     finally:
         admission.release()
+
+
+def _all_down(registry: WorkerRegistry) -> bool:
+    """True when active probes flagged every worker (or it drains): nothing will answer.
+    Unchecked (just added) or only ejected workers are still tried."""
+    workers = list(registry)
+    return bool(workers) and all(
+        HealthFlag.CHECK_FAILED in w.flags or HealthFlag.DRAINING in w.flags for w in workers
+    )
 
 
 async def _route(
@@ -219,9 +258,19 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     """Serve ``app`` on host:port (0: ephemeral); returns the runner and the bound port."""
     # handler_cancellation: a client that disconnects cancels its handler, so a
     # non-streaming request is aborted on the worker at once, not after the answer.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    s = app[keys.CONFIG].server
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=s.keepalive_timeout_s,
+        max_line_size=s.max_header_size,
+        max_field_size=s.max_header_size,
+        shutdown_timeout=s.shutdown_grace_s,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
+    guard = ConnectionGuard(s.max_connections, s.header_timeout_s)
+    site = GuardedSite(runner, host, port, guard, backlog=2048)
     await site.start()
     sockets = runner.addresses
     bound = sockets[0][1] if sockets else port

@@ -12,7 +12,11 @@ Contract:
   hung up before the status line). An idle kept-alive connection that turns out closed
   before any answer is replaced by a fresh one once, transparently.
 - Every wait (connect, head, body) ends at the request's ``deadline`` (loop time) with
-  ``TimeoutError`` (for the body: one timer per response cuts the connection).
+  ``TimeoutError`` (for the body: one timer per response cuts the connection). The head
+  must also come within ``first_byte_timeout_s`` of sending (0: no such bound), else
+  :class:`FirstByteTimeout` (a ``TimeoutError``). A body silent for
+  ``read_idle_timeout_s`` (checked four times per period, so cut between 1x and 1.25x
+  of it; 0: never) is cut and its pending read raises ``TimeoutError``.
 - Bodies: ``Content-Length``, ``chunked``, or until close. :meth:`UpstreamResponse.readany`
   returns whatever body bytes are available (chunk framing removed), ``b""`` at the end;
   :meth:`read` returns the rest whole. Broken bodies raise :class:`UpstreamError`
@@ -44,6 +48,10 @@ class UpstreamError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind  # "connect" | "dropped"
+
+
+class FirstByteTimeout(TimeoutError):
+    """The worker's response head did not arrive within ``first_byte_timeout_s``."""
 
 
 class _Conn:
@@ -83,9 +91,17 @@ class _Target:
 
 class UpstreamPool:
     def __init__(
-        self, connect_timeout_s: float, max_idle_per_worker: int = 256, idle_timeout_s: float = 30.0
+        self,
+        connect_timeout_s: float,
+        max_idle_per_worker: int = 256,
+        idle_timeout_s: float = 30.0,
+        *,
+        first_byte_timeout_s: float = 0.0,
+        read_idle_timeout_s: float = 0.0,
     ) -> None:
         self._connect_timeout = connect_timeout_s
+        self._first_byte = first_byte_timeout_s
+        self._read_idle = read_idle_timeout_s
         self._max_idle = max_idle_per_worker
         self._idle_timeout = idle_timeout_s
         self._targets: dict[str, _Target] = {}
@@ -173,13 +189,19 @@ class UpstreamPool:
             conn.writer.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 conn.writer.write(body)
-            async with asyncio.timeout_at(deadline):
+            loop = asyncio.get_running_loop()
+            head_by = (
+                min(deadline, loop.time() + self._first_byte) if self._first_byte else deadline
+            )
+            async with asyncio.timeout_at(head_by):
                 await conn.writer.drain()
                 raw = await conn.reader.readuntil(b"\r\n\r\n")
                 while raw.startswith(b"HTTP/1.1 1") and not raw.startswith(b"HTTP/1.1 101"):
                     raw = await conn.reader.readuntil(b"\r\n\r\n")  # interim 1xx: skip
         except TimeoutError:  # an OSError too: caught first, it is not a hang-up
             conn.close()
+            if head_by < deadline:
+                raise FirstByteTimeout("the worker sent no response head in time") from None
             raise
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             conn.close()
@@ -192,7 +214,10 @@ class UpstreamPool:
         except BaseException:
             conn.close()
             raise
-        return UpstreamResponse(self, target, conn, raw, deadline)
+        response = UpstreamResponse(self, target, conn, raw, deadline)
+        if self._read_idle:
+            response.watch_idle(self._read_idle)
+        return response
 
 
 def _request_head(
@@ -214,6 +239,9 @@ class UpstreamResponse:
         "_conn",
         "_done",
         "_expired",
+        "_idle_s",
+        "_idle_timer",
+        "_last_read",
         "_length",
         "_mode",
         "_pool",
@@ -232,6 +260,9 @@ class UpstreamResponse:
         self._target = target
         self._conn: _Conn | None = conn
         self._watchdog: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_s = 0.0
+        self._last_read = 0.0
         self._expired = False
         lines = raw.decode("latin-1").split("\r\n")
         status_line = lines[0].split(" ", 2)
@@ -275,6 +306,33 @@ class UpstreamResponse:
         else:
             self._watchdog = asyncio.get_running_loop().call_at(deadline, self._expire)
 
+    def watch_idle(self, idle_s: float) -> None:
+        """Cut the body if no byte arrives for ``idle_s`` (see the module contract)."""
+        if self._done or idle_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._idle_s = idle_s
+        self._last_read = loop.time()
+        self._idle_timer = loop.call_later(idle_s / 4, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        if self._done:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._last_read >= self._idle_s:
+            self._expire()
+            return
+        self._idle_timer = loop.call_later(self._idle_s / 4, self._idle_check)
+
+    def _stop_timers(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
     def header(self, name: str) -> str | None:
         low = name.lower()
         for key, value in self.headers:
@@ -284,9 +342,7 @@ class UpstreamResponse:
 
     def _finish(self) -> None:
         self._done = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        self._stop_timers()
         conn, self._conn = self._conn, None
         if conn is not None:
             if self.keep_alive:
@@ -298,9 +354,7 @@ class UpstreamResponse:
         """Drop the connection (the worker sees it close); idempotent."""
         conn, self._conn = self._conn, None
         self._done = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        self._stop_timers()
         if conn is not None:
             conn.close()
 
@@ -319,8 +373,13 @@ class UpstreamResponse:
 
     async def readany(self) -> bytes:
         if self._done or self._conn is None:
+            if self._expired:  # cut by a timer between two reads: still a timeout, once
+                self._expired = False
+                raise TimeoutError("the worker's answer outlived its deadline")
             return b""
         reader = self._conn.reader
+        if self._idle_s:
+            self._last_read = asyncio.get_running_loop().time()
         try:
             if self._mode == "length":
                 data = await reader.read(min(self._length, _READ_SIZE))
@@ -347,6 +406,7 @@ class UpstreamResponse:
         ) as exc:
             self.close()
             if self._expired:
+                self._expired = False  # reported once; later reads see the end
                 raise TimeoutError("the worker's answer outlived the deadline") from None
             raise UpstreamError("dropped", f"the worker's body was cut short: {exc!r}") from None
 

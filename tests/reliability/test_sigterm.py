@@ -39,7 +39,7 @@ async def slow_fleet() -> AsyncIterator[SimulatedFleet]:
         yield f
 
 
-async def _start_gateway(urls: list[str], port: int) -> asyncio.subprocess.Process:
+async def _start_gateway(urls: list[str], port: int, *extra: str) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -52,6 +52,7 @@ async def _start_gateway(urls: list[str], port: int) -> asyncio.subprocess.Proce
         "/ping",
         "--log-level",
         "warning",
+        *extra,
         "--worker-urls",
         *urls,
         stdout=asyncio.subprocess.DEVNULL,
@@ -105,3 +106,42 @@ async def test_sigterm_drains_streams_then_exits_zero(slow_fleet: SimulatedFleet
         if proc.returncode is None:
             os.kill(proc.pid, signal.SIGKILL)
             await proc.wait()
+
+
+async def test_sigterm_grace_period_bounds_the_exit(slow_fleet: SimulatedFleet) -> None:
+    """A stream longer than the grace period is cut when it ends; the exit is still 0."""
+    port = _free_port()
+    proc = await _start_gateway(slow_fleet.urls, port, "--shutdown-grace-secs", "1")
+    try:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as session:
+            started = asyncio.Event()
+            long_stream = {**STREAM, "max_tokens": 5000}  # ~30 s at speed 1
+            task = asyncio.create_task(_stream_any(session, url, long_stream, started))
+            await asyncio.wait_for(started.wait(), 10)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.wait_for(proc.wait(), 15)
+            exit_s = time.monotonic() - signalled
+            body = await asyncio.wait_for(task, 10)
+        assert code == 0
+        assert exit_s < 6.0, f"exit took {exit_s:.1f} s with a 1 s grace"
+        assert not body.endswith(b"data: [DONE]\n\n")  # cut, not finished
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+async def _stream_any(
+    session: aiohttp.ClientSession, url: str, payload: dict[str, object], started: asyncio.Event
+) -> bytes:
+    got = b""
+    try:
+        async with session.post(url, json=payload) as resp:
+            async for chunk in resp.content.iter_any():
+                got += chunk
+                started.set()
+    except aiohttp.ClientError:
+        pass
+    return got
