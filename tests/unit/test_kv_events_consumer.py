@@ -281,3 +281,14 @@ async def test_prepared_request_and_fidelity() -> None:
             assert (f.requests, f.predicted_tokens, f.true_predicted_tokens) == (1, 8, 4)
         finally:
             await mgr.close()
+
+
+def test_config_section() -> None:
+    from gateway.config import ConfigError, config_from_dict
+
+    cfg = config_from_dict({"kv_events": {"enabled": True, "stale_timeout_s": 2}})
+    assert cfg.kv_events.enabled and cfg.kv_events.stale_timeout_s == 2.0
+    assert cfg.kv_events.tokenizer == "sim"
+    for bad in ({"tokenizer": "gpt"}, {"stale_timeout_s": 0}, {"ttl_min_s": 20.0}):
+        with pytest.raises(ConfigError, match="kv_events"):
+            config_from_dict({"kv_events": bad})
