@@ -263,3 +263,15 @@ def test_a_miss_on_a_full_slot_worker_drops_the_chain_it_overwrote() -> None:
     assert ix.free_sequences("w") == 1
     ix.correct("w", p6b, predicted_blocks=10, reported_tokens=8)  # a free slot: no drop
     assert ix.match(p6b) == {"w": 12}
+
+
+def test_config_takes_kinds_and_refuses_unknown_ones() -> None:
+    from gateway.config import ConfigError, config_from_dict
+
+    config = config_from_dict({"workers": ["http://h:1#llamacpp", "http://h:2"]})
+    assert config.worker_kind == "auto"
+    assert config_from_dict({"worker_kind": "vllm"}).worker_kind == "vllm"
+    with pytest.raises(ConfigError, match="worker_kind"):
+        config_from_dict({"worker_kind": "tgi"})
+    with pytest.raises(ConfigError, match=r"workers\[0\].*unknown worker kind"):
+        config_from_dict({"workers": ["http://h:1#tgi"]})
