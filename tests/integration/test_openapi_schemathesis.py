@@ -47,7 +47,9 @@ class _Live:
         self._stop = asyncio.Event()
         async with (
             await SimulatedFleet.start(1, SimConfig(speed=200.0)) as fleet,
-            run_gateway(fleet.urls) as gw,
+            # generated cases must not register workers (dead ones would turn later
+            # cases into 502s): every host is outside this allow-list, so adds get 403
+            run_gateway(fleet.urls, server__worker_allowlist=["allowed.invalid"]) as gw,
         ):
             self.url = gw.url
             self._ready.set()
