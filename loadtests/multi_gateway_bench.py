@@ -2,7 +2,7 @@
 
     python -m loadtests.multi_gateway_bench [--workers 8] [--speed 20] [--policy min_ttft]
         [--redis-url redis://127.0.0.1:6379/0] [--workloads shared_prefix multi_turn]
-        [--time-scale 4] [--json PATH]
+        [--time-scale 1] [--json PATH]
 
 Everything runs in one process on 127.0.0.1: a :class:`~simulator.fleet.SimulatedFleet` of
 ``--workers`` simulated SGLang workers and, per setup, in-process gateways
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--speed", type=float, default=20.0, help="simulator time scale")
     parser.add_argument("--policy", default="min_ttft")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--time-scale", type=float, default=4.0, help="arrivals compressed")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="arrivals compressed")
     parser.add_argument(
         "--workloads", nargs="+", default=list(WORKLOAD_ARGS), choices=list(WORKLOAD_ARGS)
     )
