@@ -53,8 +53,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 _CURL_BODY = (
-    '{"model": "sim-model", "messages": [{"role": "user", "content": "Hello!"}], '
-    '"max_tokens": 16}'
+    '{"model": "sim-model", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
 )
 
 
@@ -133,11 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     gateway = f"http://{server.get('host', '127.0.0.1')}:{server.get('port', 30000)}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(subprocess.Popen([
-            sys.executable, "-m", "simulator", "--workers", str(len(ports)),
-            "--base-port", str(ports[0]), "--enable-metrics", "--enable-cache-report",
-            "--speed", str(args.speed),
-        ], stdout=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "simulator",
+                    "--workers",
+                    str(len(ports)),
+                    "--base-port",
+                    str(ports[0]),
+                    "--enable-metrics",
+                    "--enable-cache-report",
+                    "--speed",
+                    str(args.speed),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
+        )
         _wait_ready(f"http://127.0.0.1:{ports[-1]}/health", procs)
     except BaseException:
         _stop(procs)

@@ -30,8 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     ) as fleet:
         gateway = f"http://127.0.0.1:{args.port}"
         cmd = [
-            sys.executable, "-m", "gateway", "--port", str(args.port),
-            "--policy", args.policy, "--worker-urls", *fleet.urls,
+            sys.executable,
+            "-m",
+            "gateway",
+            "--port",
+            str(args.port),
+            "--policy",
+            args.policy,
+            "--worker-urls",
+            *fleet.urls,
         ]
         serve_until_stopped(cmd, gateway, f"{args.workers} llama.cpp workers", [])
     return 0
