@@ -37,6 +37,7 @@ from prometheus_client.core import (
 from gateway import keys
 from gateway.config import RedisConfig, validate_worker_url
 from gateway.registry import HealthFlag, Worker, WorkerRegistry
+from gateway.router import PrefixMatcher
 from gateway.shared_codec import LoadFigures
 from gateway.shared_state import ACTIVE, DRAINING, SharedSettings, SharedState
 from gateway.worker_kinds import KIND_NAMES
@@ -47,18 +48,10 @@ SHARED_STATE = web.AppKey("shared_state", SharedState)
 _NO_LOAD: LoadFigures = (0, 0, 0)
 
 
-class LocalIndex(Protocol):
-    """The local prefix index, as ``gateway.prefix_index.PrefixIndex`` offers it."""
+class LocalIndex(PrefixMatcher, Protocol):
+    """The local prefix index, as ``gateway.prefix_index.PrefixIndex`` offers it: what the
+    router needs of it, plus what replication reads."""
 
-    def match(self, block_hashes: Sequence[int]) -> Mapping[str, int]: ...
-    def record(self, block_hashes: Sequence[int], worker_id: str) -> None: ...
-    def correct(
-        self,
-        worker_id: str,
-        block_hashes: Sequence[int],
-        predicted_blocks: int,
-        reported_tokens: int,
-    ) -> Any: ...
     def workers(self) -> list[str]: ...
     def blocks(self, worker_id: str) -> Sequence[int]: ...
 
