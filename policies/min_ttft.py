@@ -187,6 +187,7 @@ class MinTtftPolicy(Policy):
         self._affinity_factor = affinity_factor
         self._affinity_s = affinity_s
         self._shares: dict[str, float] = {}  # worker id -> EWMA share of decisions
+        self._decisions = 0  # decisions remembered so far, for the EWMA's warm-up
 
     def estimate(self, worker: WorkerView, prompt_tokens: int) -> tuple[float, float]:
         """(estimated TTFT, this request's own prefill time) on ``worker``, in seconds."""
@@ -269,7 +270,13 @@ class MinTtftPolicy(Policy):
         return eligible or list(candidates)
 
     def _remember(self, chosen: str, candidates: Sequence[WorkerView]) -> None:
-        alpha = 1.0 / self._share_window
+        # Warm-up: until share_window decisions are seen, the shares are running means
+        # over the decisions so far plus a fair prior worth one decision per candidate.
+        # A plain EWMA starting at the fair share takes ~share_window/4 decisions to call
+        # a worker hot, so a fresh gateway would send its first dozen requests of a shared
+        # prefix all to one worker.
+        self._decisions += 1
+        alpha = max(1.0 / self._share_window, 1.0 / (self._decisions + len(candidates) - 1))
         shares, fair = self._shares, 1.0 / len(candidates)
         for w in candidates:
             share = shares.get(w.id, fair) * (1.0 - alpha)
