@@ -163,8 +163,8 @@ async def test_one_shared_prefix_does_not_collapse_onto_one_worker() -> None:
     ]
     # Real time (speed 1): queues build as on a real fleet, which is what the load term
     # of min_ttft must see.
-    async with await SimulatedFleet.start(4, SimConfig(speed=1.0)) as fleet:
-        async with aiohttp.ClientSession() as session:
-            results = await _through_gateway(session, fleet, "min_ttft", bodies, concurrency=8)
+    fleet = await SimulatedFleet.start(4, SimConfig(speed=1.0))
+    async with fleet, aiohttp.ClientSession() as session:
+        results = await _through_gateway(session, fleet, "min_ttft", bodies, concurrency=8)
     share = Counter(worker for _, worker in results)
     assert max(share.values()) <= len(bodies) // 2, share
