@@ -393,6 +393,19 @@ class PrefixIndex:
         del self._names[state.bit]
         self._free_bits.append(state.bit)
 
+    def release(
+        self, worker_id: str, block_hashes: Sequence[int], now: float | None = None
+    ) -> None:
+        """The response for this recording ended without a cached-token report: unpin it
+        (the engine unlocks the path) without correcting anything. Without this, such
+        recordings stay pinned, and their block lists held, until the pin expires."""
+        state = self._workers.get(worker_id)
+        if state is None or state.max_sequences is not None or not block_hashes:
+            return
+        seqs = state.inflight_by_leaf.get(block_hashes[-1])
+        if seqs:
+            self._release(state, seqs[0], self._clock() if now is None else now)
+
     def correct(
         self,
         worker_id: str,

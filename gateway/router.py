@@ -71,6 +71,7 @@ class PrefixMatcher(Protocol):
         predicted_blocks: int,
         reported_tokens: int,
     ) -> Any: ...
+    def release(self, worker_id: str, block_hashes: Sequence[int]) -> None: ...
 
 
 class ExactRequest(Protocol):
@@ -247,8 +248,11 @@ class Router:
     ) -> None:
         self._outlier.record(worker, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS)
         reported = outcome.cached_tokens
-        if reported is not None and req.block_hashes and self.policy.uses_prefix_match:
-            self._index.correct(worker.id, req.block_hashes, predicted_blocks, reported)
+        if req.block_hashes and self.policy.uses_prefix_match:
+            if reported is not None:
+                self._index.correct(worker.id, req.block_hashes, predicted_blocks, reported)
+            else:
+                self._index.release(worker.id, req.block_hashes)
         if exact is not None and reported is not None and record.index_mode is not None:
             exact.observe(worker.id, record.index_mode, record.matched_tokens, reported)
         if outcome.ttft_s is not None and outcome.status == 200:

@@ -88,6 +88,9 @@ class ReplicatingIndex:
     ) -> Any:
         return self._index.correct(worker_id, block_hashes, predicted_blocks, reported_tokens)
 
+    def release(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        self._index.release(worker_id, block_hashes)
+
     def workers(self) -> list[str]:
         return self._index.workers()
 

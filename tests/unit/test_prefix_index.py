@@ -285,3 +285,15 @@ def test_pins_never_exceed_capacity_and_expire() -> None:
     assert ix.match(first) == {}
     ix.record(chain("d", 2), "w", now=100.0)  # b and c expired: plain LRU again
     assert ix.match(second) == {"w": 8} and ix.match(third) == {"w": 10}
+
+
+def test_release_unpins_a_recording_without_a_report() -> None:
+    """A response that reported no cached tokens still ends its recording's pin."""
+    index = PrefixIndex(block_tokens=16.0, default_capacity_blocks=100)
+    chain = list(range(1, 11))
+    index.record(chain, "w", now=0.0)
+    state = index._workers["w"]
+    assert state.inflight and chain[0] in state.pins
+    index.release("w", chain, now=1.0)
+    assert not state.inflight and not state.pins
+    assert index.match(chain) == {"w": 10}  # still believed held, now evictable
