@@ -57,6 +57,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "prefix_index.max_idle_s",
         {"type": float, "help": "drop index entries idle this long (3600)"},
     ),
+    "--slot-wait-secs": (
+        "prefix_index.slot_wait_s",
+        {"type": float, "help": "hold a request for a busy slot with its prefix (2; 0 off)"},
+    ),
     "--kv-events": (
         "kv_events.enabled",
         {

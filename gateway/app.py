@@ -37,6 +37,7 @@ from gateway.registry import Worker, WorkerRegistry
 from gateway.request import RequestSettings
 from gateway.router import Router
 from gateway.shared_adapters import wire_shared_state
+from gateway.slot_gate import SlotGate
 from gateway.tasks import TaskSet
 from gateway.telemetry import Telemetry, TelemetryConfig
 from gateway.telemetry_gateway import RegistrySnapshot, TelemetryHooks, telemetry_middleware
@@ -177,6 +178,7 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         clock=registry.clock,
     )
     costs = CostModel()
+    slots = SlotGate(index, config.prefix_index.slot_wait_s)
     pool = UpstreamPool(
         config.server.connect_timeout_s,
         max_idle_per_worker=config.server.connections_per_worker,
@@ -195,6 +197,7 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
             index.set_capacity(worker.id, tokens, meta.max_sequences)
 
     def forget(worker: Worker) -> None:
+        slots.forget_worker(worker.id)
         index.forget_worker(worker.id)
         costs.forget_worker(worker.id)
         load.forget(worker)
@@ -235,6 +238,7 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         rng=rng,
         hooks=TelemetryHooks(telemetry),
         exact=exact,
+        slots=slots,
     )
     loops = TaskSet()
     if shared is not None:

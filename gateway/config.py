@@ -124,6 +124,9 @@ class PrefixIndexConfig:
     # Entries untouched this long are dropped at each sweep: an engine keeps idle prefixes
     # until memory pressure, so only stale entries (e.g. a restarted worker's) should go.
     max_idle_s: float = 3600.0
+    # Longest a request is held for a busy slot holding its prefix on a worker whose slots
+    # share no KV (llama.cpp); 0 = never hold (gateway/slot_gate.py).
+    slot_wait_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +422,12 @@ def validate(cfg: GatewayConfig) -> None:
         "worker_kind",
         f"must be one of {AUTO}, {', '.join(KIND_NAMES)}",
         cfg.worker_kind,
+    )
+    _check(
+        cfg.prefix_index.slot_wait_s >= 0,
+        "prefix_index.slot_wait_s",
+        "must be ≥ 0",
+        cfg.prefix_index.slot_wait_s,
     )
     _validate_policy(cfg.policy)
     _validate_kv_events(cfg.kv_events)

@@ -78,6 +78,7 @@ class DecisionRecord:
     model: str | None = None
     outcome: DecisionOutcome | None = None
     index_mode: str | None = None  # exact / approximate / degraded for the chosen worker
+    slot_wait_s: float | None = None  # held for a busy slot (``gateway.slot_gate``), seconds
 
     @classmethod
     def from_decision(
@@ -127,7 +128,10 @@ class DecisionRecord:
             "matched_tokens": self.matched_tokens,
             "candidates": [c.to_dict() for c in self.candidates],
             "outcome": None if self.outcome is None else self.outcome.to_dict(),
-        } | ({} if self.index_mode is None else {"index_mode": self.index_mode})
+        } | (
+            ({} if self.index_mode is None else {"index_mode": self.index_mode})
+            | ({} if self.slot_wait_s is None else {"slot_wait_s": self.slot_wait_s})
+        )
 
 
 class DecisionSource(Protocol):

@@ -504,6 +504,14 @@ class PrefixIndex:
             return None
         return max(0, state.max_sequences - len(state.sequences))
 
+    def held_sequences(self, worker_id: str) -> list[tuple[int, ...]] | None:
+        """The prompt chains a sequence-bounded worker is believed to hold, least recently
+        used first (None: no sequence bound)."""
+        state = self._workers.get(worker_id)
+        if state is None or state.max_sequences is None:
+            return None
+        return list(state.sequences.values())
+
     def capacity_blocks(self, worker_id: str) -> int:
         """The worker's LRU bound in blocks (the default for an unknown worker)."""
         state = self._workers.get(worker_id)

@@ -49,6 +49,7 @@ from gateway.outlier import (
 )
 from gateway.registry import Worker, WorkerRegistry
 from gateway.request import ApiKind, RouteRequest
+from gateway.slot_gate import SlotGate
 from gateway.upstream import UpstreamPool, UpstreamResponse
 from gateway.worker_kinds import kind_named
 from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
@@ -155,9 +156,11 @@ class Router:
         rng: random.Random,
         hooks: RouterHooks | None = None,
         exact: ExactSource | None = None,
+        slots: SlotGate | None = None,
     ) -> None:
         self.policy = policy
         self._exact = exact
+        self._slots = slots
         self.registry = registry
         self.decisions = decisions
         self.hooks = hooks or RouterHooks()
@@ -339,6 +342,10 @@ class Router:
         exact: ExactRequest | None = None,
     ) -> web.StreamResponse:
         rid = req.rid or request_id
+        slots = self._slots if req.block_hashes and self.policy.uses_prefix_match else None
+        # before the index records this prompt there: the gate compares it with the chains
+        # the worker holds now (a slot-bound worker's, else nothing is held)
+        ticket = slots.enter(worker.id, req.block_hashes) if slots is not None else None
         lease = self._dispatch(req, worker, record, exact)
         upstream: UpstreamResponse | None = None
         extra = {
@@ -346,8 +353,10 @@ class Router:
             "x-gateway-worker": worker.url,
             "x-gateway-matched-tokens": str(record.matched_tokens),
         }
-        sent_at = time.perf_counter()  # TTFT counts from dispatch, not from the head
         try:
+            if slots is not None and ticket is not None and ticket.waiting is not None:
+                record.slot_wait_s = await slots.wait(ticket)  # counted in in-flight meanwhile
+            sent_at = time.perf_counter()  # TTFT counts from dispatch, not from the head
             upstream = await self._send(req, worker, rid, request)
             response, outcome = await proxy.relay(
                 request,
@@ -366,6 +375,8 @@ class Router:
             raise
         finally:
             lease.release()
+            if slots is not None and ticket is not None:
+                slots.leave(ticket)
             if upstream is not None:
                 upstream.release()
         self._feedback(req, worker, lease, predicted_blocks, record, outcome, exact)

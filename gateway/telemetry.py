@@ -304,6 +304,8 @@ class Telemetry:
             ws.observe_ttft(ttft_s)
         if record is not None and status < 400:
             ws.tokens(record.prompt_tokens, record.matched_tokens, reported)
+        if record is not None and record.slot_wait_s is not None:
+            self._m.slot_waits.labels(record.policy).observe(record.slot_wait_s)
 
     def _retry(self, route: str) -> None:
         if self.config.metrics:

@@ -74,10 +74,16 @@ class Metrics:
             "gateway_upstream_errors", "Failed attempts at a worker.", ["worker", "kind"]
         )
         self.ejections = CounterVec("gateway_worker_ejections", "Outlier ejections.", w)
+        self.slot_waits = HistogramVec(
+            "gateway_slot_wait_seconds",
+            "Time requests were held for a busy slot holding their prefix.",
+            ["policy"],
+            TTFT_BUCKETS,
+        )
         families = (
             self.requests, self.duration, self.ttft, self.decisions, self.match_ratio,
             self.prompt_tokens, self.predicted, self.reported, self.retries,
-            self.upstream_errors, self.ejections,
+            self.upstream_errors, self.ejections, self.slot_waits,
         )  # fmt: skip
         registry.register(PushCollector(families))
         self.per_worker = [f for f in families if "worker" in f.labelnames]

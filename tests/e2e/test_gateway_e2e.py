@@ -1,7 +1,7 @@
 """The gateway in front of real llama.cpp workers: routing judged by the engines' counters.
 
 Workload (REAL_ENGINE.md's demo, scaled to the test budget): 8 prefixes of 1,000
-tokens, 4 requests each, shuffled, one closed-loop client, on 4 workers x 2 slots with
+tokens, 4 requests each, shuffled, two closed-loop clients, on 4 workers x 2 slots with
 the RAM prompt cache off. The fleet can hold the 8 prefixes only if every worker keeps
 its own two, so prefix-blind routing thrashes. Each policy gets fresh text (its own
 ``text_salt``) in the same request order.
@@ -12,12 +12,12 @@ header) and reads ``/props`` ``total_slots``, which bounds its prefix index to t
 prompt chains per worker (``test_min_ttft_learns_capacity_from_the_engine`` checks what
 it learned).
 
-One client, not REAL_ENGINE.md's two: llama.cpp's slots share no KV, so two requests for
-the same prefix in flight at once on one worker compute it twice, in two slots, and the
-second evicts another prefix. No routing choice avoids that (only holding the second
-request until the first finishes would); with two clients min_ttft passed these checks
-in 2 of 3 runs on a loaded machine (cached fraction 0.48-0.57 against round robin's
-0.23), which is too close to the median-TTFT line for a test. See docs/REAL_ENGINE.md.
+Two clients send siblings of one prefix at the same time now and then. llama.cpp's slots
+share no KV, so the second would compute the prefix again in another slot and evict what
+that slot held; the gateway's slot gate (``gateway/slot_gate.py``) holds it until the
+first finishes and then sends it to the warm slot. Before the gate, min_ttft passed these
+checks in only 2 of 3 runs (cached fraction 0.48-0.57 against round robin's 0.23); with
+it, 0.677 (every repeat a hit) in each of 3 runs. See docs/REAL_ENGINE.md.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from loadtests.engine.workload import SharedPrefixSpec, shared_prefix_requests
 pytestmark = pytest.mark.e2e
 
 SPEC = SharedPrefixSpec(num_prefixes=8, per_prefix=4, prefix_tokens=1000, message_tokens=100)
-CONCURRENCY = 1
+CONCURRENCY = 2
 SLOTS = 2  # per worker, as the session fleet (conftest.SLOTS)
 CTX_PER_SLOT = 4096  # conftest.CTX_PER_SLOT
 
