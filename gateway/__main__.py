@@ -13,11 +13,19 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
-from gateway.config import ConfigError, GatewayConfig, config_from_dict, merge, read_yaml
+from gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    ServerConfig,
+    config_from_dict,
+    merge,
+    read_yaml,
+)
+from gateway.logging_setup import setup_logging
 
 # flag → (dotted config key, argparse options). Defaults live in gateway/config.py only;
 # a flag absent from the command line leaves the file's (or the default) value.
@@ -155,6 +163,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         {"nargs": "+", "metavar": "HEADER", "help": "headers naming the request id, in order"},
     ),
     "--log-level": ("server.log_level", {"help": "debug, info, warning, error (info)"}),
+    "--log-json": (
+        "server.log_json",
+        {"action": "store_true", "help": "log one JSON object per line (plain text)"},
+    ),
     "--load-poll-interval-secs": (
         "load.poll_interval_s",
         {"type": float, "help": "seconds between engine load polls; 0 off (1)"},
@@ -178,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="PATH", help="YAML file (see config/gateway.yaml)")
     for flag, (key, options) in _FLAGS.items():
-        options.setdefault("metavar", "VALUE")
+        if "action" not in options:  # store_true flags take no value
+            options.setdefault("metavar", "VALUE")
         parser.add_argument(flag, dest=key, default=argparse.SUPPRESS, **options)
     parser.add_argument(
         "--policy-arg",
@@ -230,12 +243,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         raise ConfigError(_name_flag(exc)) from None
 
 
-def _configure_logging(level: str) -> None:
-    name = "WARNING" if level.lower() == "warn" else level.upper()
-    logging.basicConfig(
-        level=getattr(logging, name),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def configure_logging(server: ServerConfig, stream: IO[str] | None = None) -> logging.Handler:
+    """The root logger's handler for ``server.log_level`` and ``server.log_json``."""
+    name = "WARNING" if server.log_level.lower() == "warn" else server.log_level.upper()
+    return setup_logging(name, json=server.log_json, stream=stream)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -253,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"prefix-gateway: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    _configure_logging(config.server.log_level)
+    configure_logging(config.server)
     from gateway.server import serve
 
     with (

@@ -48,6 +48,8 @@ class ServerConfig:
         "request-id",
     )
     log_level: str = "info"  # no per-request line is ever logged at INFO
+    # One JSON object per log line (gateway.logging_setup) instead of plain text.
+    log_json: bool = False
     # Whole-request bound for one worker attempt (sglang-router's default, 30 min):
     # long generations are legitimate; hung workers are caught by health checks.
     request_timeout_s: float = 1800.0

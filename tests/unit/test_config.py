@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import io
+import logging
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import yaml
 
-from gateway.__main__ import main, parse_config
+from gateway.__main__ import configure_logging, main, parse_config
 from gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -18,6 +21,7 @@ from gateway.config import (
     merge,
     validate_worker_url,
 )
+from gateway.logging_setup import JsonFormatter, PlainFormatter
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "config" / "gateway.yaml"
@@ -167,3 +171,27 @@ def test_worker_url_accepted(url: str) -> None:
 def test_worker_url_refused(url: object) -> None:
     with pytest.raises(ValueError):
         validate_worker_url(url)
+
+
+def test_log_json_flag_selects_the_json_formatter() -> None:
+    assert parse_config([]).server.log_json is False
+    cfg = parse_config(["--log-json", "--log-level", "warn"])
+    assert cfg.server.log_json is True
+    root = logging.getLogger()
+    level = root.level
+    buf = io.StringIO()
+    handler = configure_logging(cfg.server, stream=buf)
+    try:
+        assert isinstance(handler.formatter, JsonFormatter)
+        assert root.level == logging.WARNING
+        logging.getLogger("gateway.test").warning("started on %d", 30000)
+        doc = orjson.loads(buf.getvalue().splitlines()[-1])
+        assert doc["message"] == "started on 30000" and doc["level"] == "WARNING"
+        plain = configure_logging(parse_config([]).server, stream=io.StringIO())
+        assert isinstance(plain.formatter, PlainFormatter)  # replaced, not added
+        assert handler not in root.handlers
+    finally:
+        for h in [h for h in root.handlers if h.get_name() == handler.get_name()]:
+            root.removeHandler(h)
+            h.close()
+        root.setLevel(level)
