@@ -1,4 +1,5 @@
-"""Drives a :class:`WorkerModel` in real time on the event loop, and hands outputs to handlers.
+"""Drives a worker model (:class:`DrivenModel`) in real time on the event loop; hands
+outputs to handlers.
 
 One asyncio task per worker loops ``step → sleep(duration / speed) → deliver``. Idle, it
 waits on a future that ``submit``/``abort`` resolve, so an idle worker costs nothing and
@@ -19,12 +20,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
-from simulator.model import Finish, RequestOutput, SimRequest, StepResult, WorkerModel
+from simulator.model import Finish, RequestOutput, SimRequest, StepResult
 from simulator.radix_cache import TOKEN_BYTES
 
 _JITTER_WALL_S = 0.005
 _MIN_SLEEP_WALL_S = 0.001
+
+
+class DrivenModel(Protocol):
+    """What the driver needs of a worker model: :class:`simulator.model.WorkerModel`
+    (SGLang) and :class:`simulator.slot_model.SlotWorkerModel` (llama.cpp)."""
+
+    def submit(self, req: SimRequest, now: float) -> None: ...
+    def abort(self, rid: str, now: float) -> None: ...
+    def has_request(self, rid: str) -> bool: ...
+    def step(self, now: float) -> StepResult | None: ...
 
 
 class RequestHandle:
@@ -119,7 +131,7 @@ class ModelDriver:
 
     def __init__(
         self,
-        engine: WorkerModel,
+        engine: DrivenModel,
         speed: float,
         observer: OutputObserver | None = None,
     ) -> None:

@@ -39,7 +39,7 @@ from aiohttp import web
 from simulator import api, metrics
 from simulator.api import ApiError
 from simulator.config import SGLANG_VERSION, SimConfig
-from simulator.driver import ModelDriver, RequestHandle
+from simulator.driver import DrivenModel, ModelDriver, RequestHandle
 from simulator.faults import Faults
 from simulator.model import Finish, RequestOutput, SimRequest, WorkerModel
 from simulator.tokenizer import SimTokenizer, default_tokenizer
@@ -88,13 +88,12 @@ class _Gen:
     stream: bool
 
 
-class SimulatedWorker:
-    """One simulated SGLang worker: model, driver, HTTP server, faults and stats.
-
-    ``model`` is the served model name (what ``/v1/models`` reports); ``engine`` is the
-    :class:`WorkerModel` (radix cache, queues, counters); ``faults`` and ``stats`` are the
-    live objects behind ``/_sim/faults`` and ``/_sim/stats``.
-    """
+class HttpWorker:
+    """What every personality of a simulated worker shares: the lifecycle, the dict router,
+    the inference wrapper (stats, body parsing, faults), aborting a request whose handler
+    leaves early, and the ``/_sim/faults`` control route. A personality builds its model,
+    its routes and its 404/405 answers (:class:`SimulatedWorker`: SGLang;
+    :class:`simulator.llamacpp_server.LlamaCppWorker`: llama.cpp's server)."""
 
     def __init__(
         self, config: SimConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0
@@ -106,10 +105,6 @@ class SimulatedWorker:
         self.index = index
         self.model: str = config.model_name
         self.profile = config.resolved_profile()
-        self.context_length = config.context_length or self.profile.context_length
-        self.kv_events = self._kv_publisher(config, index)
-        listener = self.kv_events.recorder if self.kv_events is not None else None
-        self.engine = WorkerModel.from_config(config, listener=listener)
         self.faults: Faults = dataclasses.replace(config.faults)
         self.stats = SimStats()
         self.request_metrics = metrics.RequestMetrics()
@@ -121,21 +116,20 @@ class SimulatedWorker:
         self._started = time.time()
         self._stopping = False
 
-    # ------------------------------------------------------------------ lifecycle
-    @staticmethod
-    def _kv_publisher(config: SimConfig, index: int) -> KVEventPublisher | None:
-        """The KV event publisher when ``kv_events_config`` enables one (ports + index)."""
-        if config.kv_events_config is None:
-            return None
-        from simulator.kv_events import KVEventPublisher, KVEventsConfig  # optional extra
+    # ------------------------------------------------------------------ personality hooks
+    def _driven_model(self) -> DrivenModel:
+        raise NotImplementedError
 
-        kv_config = KVEventsConfig.from_json(config.kv_events_config)
-        if not kv_config.enabled:
-            return None
-        return KVEventPublisher(
-            kv_config, config.page_size, offset=index, legacy_array=config.kv_events_legacy_array
-        )
+    def _build_routes(self) -> dict[str, dict[str, Handler]]:
+        raise NotImplementedError
 
+    def _not_found(self, request: web.BaseRequest) -> web.StreamResponse:
+        raise NotImplementedError
+
+    def _method_not_allowed(self) -> web.StreamResponse:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared plumbing
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -147,9 +141,7 @@ class SimulatedWorker:
 
     async def start(self) -> None:
         """Listen on ``host:port`` (0: an ephemeral port, then ``self.port`` is set)."""
-        if self.kv_events is not None:
-            self.kv_events.start()
-        self._driver = ModelDriver(self.engine, self.config.speed, self._observe)
+        self._driver = ModelDriver(self._driven_model(), self.config.speed, self._observe)
         self._driver.start()
         server = web.Server(self._dispatch, handler_cancellation=True, access_log=None)
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
@@ -178,56 +170,15 @@ class SimulatedWorker:
         if runner is not None:
             await runner.cleanup()
         self._runner = None
-        if self.kv_events is not None:
-            await self.kv_events.close()
-
-    # ------------------------------------------------------------------ routing
-    def _build_routes(self) -> dict[str, dict[str, Handler]]:
-        get, post = ("GET",), ("POST",)
-        table: list[tuple[str, tuple[str, ...], Handler]] = [
-            ("/health", get, self._health),
-            ("/health_generate", get, self._health),
-            ("/ping", get, self._ping),
-            ("/ready", get, self._ping),
-            ("/server_info", get, self._server_info),
-            ("/get_server_info", get, self._server_info),
-            ("/model_info", get, self._model_info),
-            ("/get_model_info", get, self._model_info),
-            ("/v1/models", get, self._models),
-            ("/v1/loads", get, self._loads),
-            ("/flush_cache", ("GET", "POST"), self._flush_cache),
-            ("/abort_request", post, self._abort_request),
-            ("/generate", ("POST", "PUT"), self._inference(self._generate, openai=False)),
-            ("/v1/chat/completions", post, self._inference(self._chat, openai=True)),
-            ("/v1/completions", post, self._inference(self._completions, openai=True)),
-            ("/v1/embeddings", post, self._inference(self._embeddings, openai=True)),
-            ("/v1/tokenize", post, self._tokenize),
-            ("/tokenize", post, self._tokenize),
-            ("/v1/detokenize", post, self._detokenize),
-            ("/detokenize", post, self._detokenize),
-            ("/_sim/faults", ("GET", "POST"), self._sim_faults),
-            ("/_sim/stats", get, self._sim_stats),
-        ]
-        if self.config.enable_metrics:
-            table.append(("/metrics", get, self._metrics))
-        if self.config.legacy_get_load:
-            table.append(("/get_load", get, self._get_load))
-        routes: dict[str, dict[str, Handler]] = {}
-        for path, methods, handler in table:
-            for method in methods:
-                routes.setdefault(path, {})[method] = handler
-        return routes
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
         methods = self._routes.get(path)
         if methods is None:
-            if path.startswith("/v1/models/") and request.method == "GET":
-                return self._model_card(path[len("/v1/models/") :])
-            return json_response({"detail": "Not Found"}, 404)
+            return self._not_found(request)
         handler = methods.get(request.method)
         if handler is None:
-            return json_response({"detail": "Method Not Allowed"}, 405)
+            return self._method_not_allowed()
         key = self.config.api_key
         if (
             key
@@ -246,7 +197,6 @@ class SimulatedWorker:
             error = api.error_object(f"Internal server error: {exc}", "InternalServerError", 500)
             return json_response(error, 500)
 
-    # ------------------------------------------------------------------ inference plumbing
     def _inference(
         self,
         handler: Callable[[web.BaseRequest, Any], Awaitable[web.StreamResponse]],
@@ -300,30 +250,6 @@ class SimulatedWorker:
             status = faults.error_status
             raise api.openai_error(status, f"Simulated fault: HTTP {status}")
 
-    def _submit(self, gen: _Gen, stream_outputs: bool) -> RequestHandle:
-        """Validate against the context length and queue; ValueError carries SGLang's text."""
-        prompt_len = len(gen.prompt_ids)
-        if prompt_len >= self.context_length:
-            raise ValueError(api.context_too_long(prompt_len, self.context_length))
-        max_new = gen.max_new_tokens
-        eos_at: int | None = None
-        if gen.explicit_max:
-            if max_new + prompt_len >= self.context_length:
-                raise ValueError(api.total_too_long(prompt_len, max_new, self.context_length))
-        else:
-            max_new = max(self.context_length - prompt_len - 1, 0)
-            eos_at = min(self.config.natural_output_tokens, max_new) or None
-        req = SimRequest(
-            rid=gen.rid,
-            prompt_ids=gen.prompt_ids,
-            max_new_tokens=max_new,
-            ignore_eos=gen.ignore_eos,
-            eos_at=eos_at,
-            namespace=gen.namespace,
-            stream=stream_outputs,
-        )
-        return self.driver.submit(req)
-
     @contextlib.contextmanager
     def _aborting_on_exit(self, handle: RequestHandle) -> Iterator[RequestHandle]:
         """Abort the request in the model if the handler leaves before it finished."""
@@ -364,23 +290,6 @@ class SimulatedWorker:
     def _text(self, handle: RequestHandle, start: int, end: int) -> str:
         return self.tokenizer.decode(handle.output_ids[start:end])
 
-    def _rid(self, body: dict[str, Any]) -> str:
-        rid = body.get("rid")
-        if rid is None:
-            return uuid.uuid4().hex
-        if not isinstance(rid, str):
-            raise api.wrong_type("rid", "string", rid)
-        return rid
-
-    def _namespace(self, body: dict[str, Any]) -> str:
-        lora = body.get("lora_path")
-        model = body.get("model")
-        if not lora and isinstance(model, str) and ":" in model:
-            lora = model.split(":", 1)[1]
-        extra, salt = body.get("extra_key"), body.get("cache_salt")
-        parts = [str(lora or ""), str(extra or ""), str(salt or "")]
-        return "\x1f".join(parts) if any(parts) else ""
-
     @staticmethod
     def _int(body: dict[str, Any], name: str, default: int | None) -> int | None:
         value = body.get(name)
@@ -399,6 +308,172 @@ class SimulatedWorker:
         ):
             raise api.wrong_type(name, "list of token ids", value)
         return value
+
+    def _maybe_drop(self, request: web.BaseRequest, chunks: int) -> bool:
+        """The ``drop_mid_stream_after`` fault: cut the connection after that many chunks."""
+        limit = self.faults.drop_mid_stream_after
+        if limit is None or chunks < limit:
+            return False
+        self.stats.faults_injected += 1
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
+        return True
+
+    async def _sim_faults(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.method == "POST":
+            body = await self._json_body(request)
+            try:
+                self.faults.update(body)
+            except (TypeError, ValueError) as exc:
+                return json_response({"error": str(exc)}, 400)
+        return json_response(self.faults.as_dict())
+
+    async def _json_body(self, request: web.BaseRequest) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError as exc:
+            raise api.json_invalid(exc.msg, exc.pos) from None
+        if not isinstance(body, dict):
+            raise api.wrong_type("body", "dictionary", body)
+        return body
+
+
+class SimulatedWorker(HttpWorker):
+    """One simulated SGLang worker: model, driver, HTTP server, faults and stats.
+
+    ``model`` is the served model name (what ``/v1/models`` reports); ``engine`` is the
+    :class:`WorkerModel` (radix cache, queues, counters); ``faults`` and ``stats`` are the
+    live objects behind ``/_sim/faults`` and ``/_sim/stats``.
+    """
+
+    def __init__(
+        self, config: SimConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0
+    ) -> None:
+        super().__init__(config, host, port, index)
+        self.context_length = config.context_length or self.profile.context_length
+        self.kv_events = self._kv_publisher(config, index)
+        listener = self.kv_events.recorder if self.kv_events is not None else None
+        self.engine = WorkerModel.from_config(config, listener=listener)
+
+    def _driven_model(self) -> DrivenModel:
+        return self.engine
+
+    async def start(self) -> None:
+        """Listen on ``host:port`` (0: an ephemeral port, then ``self.port`` is set)."""
+        if self.kv_events is not None:
+            self.kv_events.start()
+        await super().start()
+
+    async def stop(self, kill: bool = True) -> None:
+        """Stop serving. ``kill``: like a killed process, open connections are cut at once."""
+        await super().stop(kill)
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    def _not_found(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.path
+        if path.startswith("/v1/models/") and request.method == "GET":
+            return self._model_card(path[len("/v1/models/") :])
+        return json_response({"detail": "Not Found"}, 404)
+
+    def _method_not_allowed(self) -> web.StreamResponse:
+        return json_response({"detail": "Method Not Allowed"}, 405)
+
+    # ------------------------------------------------------------------ lifecycle
+    @staticmethod
+    def _kv_publisher(config: SimConfig, index: int) -> KVEventPublisher | None:
+        """The KV event publisher when ``kv_events_config`` enables one (ports + index)."""
+        if config.kv_events_config is None:
+            return None
+        from simulator.kv_events import KVEventPublisher, KVEventsConfig  # optional extra
+
+        kv_config = KVEventsConfig.from_json(config.kv_events_config)
+        if not kv_config.enabled:
+            return None
+        return KVEventPublisher(
+            kv_config, config.page_size, offset=index, legacy_array=config.kv_events_legacy_array
+        )
+
+    # ------------------------------------------------------------------ routing
+    def _build_routes(self) -> dict[str, dict[str, Handler]]:
+        get, post = ("GET",), ("POST",)
+        table: list[tuple[str, tuple[str, ...], Handler]] = [
+            ("/health", get, self._health),
+            ("/health_generate", get, self._health),
+            ("/ping", get, self._ping),
+            ("/ready", get, self._ping),
+            ("/server_info", get, self._server_info),
+            ("/get_server_info", get, self._server_info),
+            ("/model_info", get, self._model_info),
+            ("/get_model_info", get, self._model_info),
+            ("/v1/models", get, self._models),
+            ("/v1/loads", get, self._loads),
+            ("/flush_cache", ("GET", "POST"), self._flush_cache),
+            ("/abort_request", post, self._abort_request),
+            ("/generate", ("POST", "PUT"), self._inference(self._generate, openai=False)),
+            ("/v1/chat/completions", post, self._inference(self._chat, openai=True)),
+            ("/v1/completions", post, self._inference(self._completions, openai=True)),
+            ("/v1/embeddings", post, self._inference(self._embeddings, openai=True)),
+            ("/v1/tokenize", post, self._tokenize),
+            ("/tokenize", post, self._tokenize),
+            ("/v1/detokenize", post, self._detokenize),
+            ("/detokenize", post, self._detokenize),
+            ("/_sim/faults", ("GET", "POST"), self._sim_faults),
+            ("/_sim/stats", get, self._sim_stats),
+        ]
+        if self.config.enable_metrics:
+            table.append(("/metrics", get, self._metrics))
+        if self.config.legacy_get_load:
+            table.append(("/get_load", get, self._get_load))
+        routes: dict[str, dict[str, Handler]] = {}
+        for path, methods, handler in table:
+            for method in methods:
+                routes.setdefault(path, {})[method] = handler
+        return routes
+
+    # ------------------------------------------------------------------ inference plumbing
+    def _submit(self, gen: _Gen, stream_outputs: bool) -> RequestHandle:
+        """Validate against the context length and queue; ValueError carries SGLang's text."""
+        prompt_len = len(gen.prompt_ids)
+        if prompt_len >= self.context_length:
+            raise ValueError(api.context_too_long(prompt_len, self.context_length))
+        max_new = gen.max_new_tokens
+        eos_at: int | None = None
+        if gen.explicit_max:
+            if max_new + prompt_len >= self.context_length:
+                raise ValueError(api.total_too_long(prompt_len, max_new, self.context_length))
+        else:
+            max_new = max(self.context_length - prompt_len - 1, 0)
+            eos_at = min(self.config.natural_output_tokens, max_new) or None
+        req = SimRequest(
+            rid=gen.rid,
+            prompt_ids=gen.prompt_ids,
+            max_new_tokens=max_new,
+            ignore_eos=gen.ignore_eos,
+            eos_at=eos_at,
+            namespace=gen.namespace,
+            stream=stream_outputs,
+        )
+        return self.driver.submit(req)
+
+    def _rid(self, body: dict[str, Any]) -> str:
+        rid = body.get("rid")
+        if rid is None:
+            return uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise api.wrong_type("rid", "string", rid)
+        return rid
+
+    def _namespace(self, body: dict[str, Any]) -> str:
+        lora = body.get("lora_path")
+        model = body.get("model")
+        if not lora and isinstance(model, str) and ":" in model:
+            lora = model.split(":", 1)[1]
+        extra, salt = body.get("extra_key"), body.get("cache_salt")
+        parts = [str(lora or ""), str(extra or ""), str(salt or "")]
+        return "\x1f".join(parts) if any(parts) else ""
 
     # ------------------------------------------------------------------ /generate
     async def _generate(self, request: web.BaseRequest, body: dict[str, Any]) -> web.StreamResponse:
@@ -519,17 +594,6 @@ class SimulatedWorker:
                     break
             await resp.write(api.DONE)
         return resp
-
-    def _maybe_drop(self, request: web.BaseRequest, chunks: int) -> bool:
-        """The ``drop_mid_stream_after`` fault: cut the connection after that many chunks."""
-        limit = self.faults.drop_mid_stream_after
-        if limit is None or chunks < limit:
-            return False
-        self.stats.faults_injected += 1
-        transport = request.transport
-        if transport is not None:
-            transport.abort()
-        return True
 
     # ------------------------------------------------------------------ chat
     async def _chat(self, request: web.BaseRequest, body: dict[str, Any]) -> web.StreamResponse:
@@ -830,16 +894,6 @@ class SimulatedWorker:
         body = await self._json_body(request)
         tokens = self._token_ids("tokens", body.get("tokens"))
         return json_response({"text": self.tokenizer.decode(tokens)})
-
-    async def _json_body(self, request: web.BaseRequest) -> dict[str, Any]:
-        raw = await request.read()
-        try:
-            body = orjson.loads(raw) if raw else {}
-        except orjson.JSONDecodeError as exc:
-            raise api.json_invalid(exc.msg, exc.pos) from None
-        if not isinstance(body, dict):
-            raise api.wrong_type("body", "dictionary", body)
-        return body
 
     # ------------------------------------------------------------------ health and info
     async def _health(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -1163,15 +1217,6 @@ class SimulatedWorker:
         return web.Response(status=200)
 
     # ------------------------------------------------------------------ simulator control
-    async def _sim_faults(self, request: web.BaseRequest) -> web.StreamResponse:
-        if request.method == "POST":
-            body = await self._json_body(request)
-            try:
-                self.faults.update(body)
-            except (TypeError, ValueError) as exc:
-                return json_response({"error": str(exc)}, 400)
-        return json_response(self.faults.as_dict())
-
     async def _sim_stats(self, request: web.BaseRequest) -> web.StreamResponse:
         return json_response(self.sim_stats())
 
