@@ -8,6 +8,7 @@ from simulator.faults import Faults
 from simulator.profiles import DEFAULT_PROFILE, Profile, get_profile
 
 SGLANG_VERSION = "0.5.23"
+ENGINES = ("sglang", "llamacpp")
 
 
 @dataclass
@@ -19,6 +20,10 @@ class SimConfig:
     model ten times faster than real time (reported latencies stay in modelled seconds).
     """
 
+    # the personality: "sglang" (radix cache, SGLang's API) or "llamacpp" (llama.cpp's
+    # server: ``slots`` slots of context_length / slots tokens each, no shared KV)
+    engine: str = "sglang"
+    slots: int = 2  # llama.cpp's n_parallel (llamacpp only)
     capacity_tokens: int | None = 420_000
     speed: float = 1.0
     profile: str = DEFAULT_PROFILE
@@ -51,6 +56,10 @@ class SimConfig:
         return self.served_model_name or self.model_path
 
     def validate(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if self.engine == "llamacpp":
+            self._validate_llamacpp()
         if self.speed <= 0:
             raise ValueError("speed must be positive")
         if self.page_size <= 0:
@@ -67,3 +76,15 @@ class SimConfig:
             from simulator.kv_events import KVEventsConfig  # needs the kv-events extra
 
             KVEventsConfig.from_json(self.kv_events_config)
+
+    def _validate_llamacpp(self) -> None:
+        if self.slots < 1:
+            raise ValueError("slots must be at least 1")
+        context = self.context_length or self.resolved_profile().context_length
+        if context // self.slots < 2:
+            raise ValueError(
+                f"context_length {context} leaves less than 2 tokens per slot "
+                f"for {self.slots} slots"
+            )
+        if self.kv_events_config is not None:
+            raise ValueError("kv_events_config is SGLang's; llama.cpp publishes no KV events")
