@@ -86,6 +86,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "server.admin_api_key",
         {"help": "key for /workers, /debug, /dashboard (else they take the client keys)"},
     ),
+    "--worker-api-key": (
+        "server.worker_api_key",
+        {"help": "key sent to every worker as Authorization: Bearer KEY (none)"},
+    ),
     "--worker-allowlist": (
         "server.worker_allowlist",
         {"nargs": "+", "metavar": "HOST_OR_CIDR", "help": "where POST /workers may point"},

@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway import admin, keys, server
 from gateway.admission import Admission
 from gateway.allowlist import HostAllowList
+from gateway.auth import worker_credentials
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
 from gateway.cost_model import CostModel
 from gateway.debug_api import add_telemetry_routes
@@ -135,6 +136,7 @@ def _session(config: GatewayConfig) -> aiohttp.ClientSession:
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None),
+        headers=worker_credentials(config.server).session_headers(),  # the worker key
     )
 
 

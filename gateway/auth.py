@@ -14,6 +14,12 @@ Contract:
   open unless ``protect_probes``. With no key configured at all, everything is open.
 - :meth:`Authenticator.check` returns the caller's principal, a short label such as
   ``client-2`` or ``admin`` (never the key), used for rate limits and logs.
+- :class:`WorkerCredentials` decides what a worker sees in place of the client's
+  credentials: with client keys on, the client's ``Authorization`` and ``x-api-key`` are
+  dropped (the client's key is the gateway's secret); with a worker key
+  (:func:`worker_key`), ``Authorization: Bearer <worker key>`` replaces them, on the
+  request path and (:meth:`WorkerCredentials.session_headers`) on the gateway's own calls;
+  with neither, the client's headers pass through (clients that hold the workers' key).
 """
 
 from __future__ import annotations
@@ -23,13 +29,20 @@ import hmac
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from multidict import CIMultiDict
 
 from gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from gateway.config import ServerConfig
 
 ADMIN_PREFIXES = ("/workers", "/admin", "/debug", "/dashboard")
 ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/list_workers"})
 PROBE_PATHS = frozenset({"/health", "/readiness", "/liveness", "/metrics"})
 ANONYMOUS = "anonymous"
+CLIENT_CREDENTIALS = frozenset({"authorization", "x-api-key"})
 
 
 def path_scope(path: str) -> str:
@@ -134,3 +147,50 @@ class Authenticator:
         if admin is not None:
             return admin  # the operator's key may use the API too
         raise GatewayError(401, "invalid API key")
+
+
+def worker_key(
+    configured: str | None, env_var: str | None, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The key the gateway presents to workers: ``configured``, else the environment
+    variable named ``env_var``; None when neither holds one."""
+    env = os.environ if environ is None else environ
+    key = configured or (env.get(env_var) if env_var else None)
+    return key.strip() or None if key else None
+
+
+class WorkerCredentials:
+    """What workers get in place of the client's credentials (see the module contract)."""
+
+    __slots__ = ("_authorization", "rewrites")
+
+    def __init__(self, worker_key: str | None, *, gateway_checks_keys: bool) -> None:
+        self._authorization = f"Bearer {worker_key}" if worker_key else None
+        # False: the client's headers go to the worker as they came (nothing to do)
+        self.rewrites = gateway_checks_keys or self._authorization is not None
+
+    def __repr__(self) -> str:  # never the key
+        return f"WorkerCredentials(worker_key={self._authorization is not None})"
+
+    def session_headers(self) -> dict[str, str]:
+        """Default headers for the gateway's own requests to workers."""
+        return {"Authorization": self._authorization} if self._authorization else {}
+
+    def rewrite(self, headers: Mapping[str, str]) -> CIMultiDict[str]:
+        """``headers`` without the client's credentials, with the worker key if any."""
+        out: CIMultiDict[str] = CIMultiDict(
+            (k, v) for k, v in headers.items() if k.lower() not in CLIENT_CREDENTIALS
+        )
+        out.update(self.session_headers())
+        return out
+
+
+def worker_credentials(
+    server: ServerConfig,
+    *,
+    gateway_checks_keys: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> WorkerCredentials:
+    """The configured worker key (``server.worker_api_key`` or its environment variable)."""
+    key = worker_key(server.worker_api_key, server.worker_api_key_env, environ)
+    return WorkerCredentials(key, gateway_checks_keys=gateway_checks_keys)

@@ -71,6 +71,13 @@ class ServerConfig:
     # routes take the client keys (sglang-router's single key).
     admin_api_key: str | None = None
     admin_api_keys_file: str | None = None
+    # The key the gateway presents to every worker as `Authorization: Bearer <key>`
+    # (SGLang's --api-key) on proxied requests and on its own probes, load polls, model
+    # lists and aborts; null: the environment variable named by worker_api_key_env, if
+    # set. With client keys on, the client's Authorization / x-api-key never reach a
+    # worker; with neither, the client's headers pass through (docs/SECURITY.md).
+    worker_api_key: str | None = field(default=None, repr=False)
+    worker_api_key_env: str = "GATEWAY_WORKER_API_KEY"
     # Put /health, /readiness, /liveness and /metrics behind the client keys too.
     protect_probes: bool = False
     # Hosts, addresses and CIDR blocks the admin API may register workers at (SSRF
@@ -498,8 +505,12 @@ def _validate_security(s: ServerConfig) -> None:
                 read_key_file(path)
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
-    if s.admin_api_key is not None:
-        _check(bool(s.admin_api_key), "server.admin_api_key", "must not be empty when set", "")
+    for key, secret in (
+        ("server.admin_api_key", s.admin_api_key),
+        ("server.worker_api_key", s.worker_api_key),
+    ):
+        if secret is not None:  # the value is never echoed
+            _check(bool(secret.strip()), key, "must not be empty when set", "")
     for key, value in (
         ("server.rate_limit_per_s", s.rate_limit_per_s),
         ("server.header_timeout_s", s.header_timeout_s),

@@ -5,8 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from multidict import CIMultiDict
 
-from gateway.auth import Authenticator, collect_keys, path_scope
+from gateway.auth import (
+    Authenticator,
+    WorkerCredentials,
+    collect_keys,
+    path_scope,
+    worker_credentials,
+    worker_key,
+)
+from gateway.config import ServerConfig
 from gateway.errors import GatewayError
 
 
@@ -80,3 +89,38 @@ def test_admin_falls_back_to_client_keys_and_probes_can_be_keyed() -> None:
     with pytest.raises(GatewayError) as err:
         auth.check("/metrics", {})
     assert err.value.status == 401
+
+
+def test_worker_key_sources() -> None:
+    env = {"WK": "  from-env  "}
+    assert worker_key("flag", "WK", env) == "flag"  # the configured key wins
+    assert worker_key(None, "WK", env) == "from-env"
+    assert worker_key(None, "WK", {}) is None
+    assert worker_key(None, None, env) is None
+    assert worker_key(None, "WK", {"WK": "   "}) is None
+
+
+def test_worker_credentials_rewrite() -> None:
+    client = CIMultiDict(
+        [("Authorization", "Bearer client"), ("X-Api-Key", "client"), ("x-session-id", "s")]
+    )
+    stripped = WorkerCredentials(None, gateway_checks_keys=True)
+    assert stripped.rewrites and stripped.session_headers() == {}
+    assert list(stripped.rewrite(client).items()) == [("x-session-id", "s")]
+    keyed = WorkerCredentials("wk", gateway_checks_keys=False)
+    assert keyed.rewrites and keyed.session_headers() == {"Authorization": "Bearer wk"}
+    assert sorted(keyed.rewrite(client).items()) == [
+        ("Authorization", "Bearer wk"),
+        ("x-session-id", "s"),
+    ]
+    passthrough = WorkerCredentials(None, gateway_checks_keys=False)
+    assert not passthrough.rewrites  # the middleware forwards the client's headers as is
+    assert "wk" not in repr(keyed)
+
+
+def test_worker_credentials_from_config() -> None:
+    server = ServerConfig(worker_api_key=None, worker_api_key_env="WK")
+    assert worker_credentials(server, environ={"WK": "e"}).session_headers() == {
+        "Authorization": "Bearer e"
+    }
+    assert "secret" not in repr(ServerConfig(worker_api_key="secret"))
