@@ -90,7 +90,8 @@ class ServerConfig:
     rate_limit_burst: int = 20
     # Open client connections at most; beyond, 503 with Retry-After and close. 0: no cap.
     max_connections: int = 10000
-    # A new connection's first request head must arrive within this (slowloris). 0: none.
+    # Every request head must be complete within this (slowloris): from the accept for a
+    # connection's first request, from its first byte for later ones. 0: none.
     header_timeout_s: float = 10.0
     # Idle kept-alive client connections are closed after this (aiohttp's is an hour).
     keepalive_timeout_s: float = 75.0

@@ -1,14 +1,26 @@
 """Connection-level limits in front of aiohttp's protocol: a cap on open client
-connections and a deadline for a new connection's first request head (slowloris).
+connections and a deadline for every request head (slowloris).
 
 Contract: :class:`ConnectionGuard` wraps the server's protocol factory
 (:meth:`ConnectionGuard.wrap`). Each accepted connection is counted while open
 (``open``). Past ``max_connections`` (0: no cap) a new connection gets a complete
 ``503`` JSON answer with ``Retry-After`` and ``Connection: close`` and never reaches
-aiohttp. A new connection whose first request head (up to the blank line) has not
-arrived within ``header_timeout_s`` (0: none) is closed; later requests on a kept-alive
-connection are bounded by aiohttp's keep-alive timeout instead. Counters are plain
+aiohttp. Every request head (up to the blank line) must be complete within
+``header_timeout_s`` (0: none): for a connection's first request counted from the
+accept, for later ones on a kept-alive connection from the first byte that arrives while
+aiohttp waits for the next request. Too slow: a ``408`` JSON answer with
+``Connection: close``, then the connection is closed (``timed_out`` counts them). The
+idle time before that first byte is aiohttp's keep-alive timeout. Counters are plain
 attributes, read by tests and metrics; nothing here is module-level state.
+
+Why from the first byte and not from the previous response's end: the latter would close
+every kept-alive connection idle for ``header_timeout_s``, making the keep-alive timeout
+meaningless. Counting from the first byte bounds what slowloris needs (a head that never
+completes) just as tightly: a connection then holds at most ``keepalive_timeout_s`` of
+silence plus ``header_timeout_s`` of dribbling before it must send a whole request, and
+aiohttp's keep-alive timer, which runs from the previous response's end while no whole
+request has come, closes it at ``keepalive_timeout_s`` anyway. So dribbling never holds a
+connection longer than an idle client may, and each head gets ``header_timeout_s``.
 """
 
 from __future__ import annotations
@@ -17,26 +29,27 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, cast
 
-import orjson
 from aiohttp import web
+
+from gateway.errors import error_body
 
 _HEAD_END = b"\r\n\r\n"
 
 
 def _busy_response() -> bytes:
-    body = orjson.dumps(
-        {
-            "error": {
-                "message": "the gateway has too many open connections; retry shortly",
-                "type": "service_unavailable",
-                "param": None,
-                "code": 503,
-            }
-        }
-    )
+    body = error_body(503, "the gateway has too many open connections; retry shortly")
+    return _raw_response("503 Service Unavailable", body, "Retry-After: 1\r\n")
+
+
+def _too_slow_response() -> bytes:
+    body = error_body(408, "the request head did not arrive in time")
+    return _raw_response("408 Request Timeout", body)
+
+
+def _raw_response(status: str, body: bytes, extra: str = "") -> bytes:
     head = (
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{extra}"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode("latin-1") + body
 
@@ -49,6 +62,7 @@ class ConnectionGuard:
         self.refused = 0
         self.timed_out = 0
         self._busy = _busy_response()
+        self._too_slow = _too_slow_response()
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         """A protocol factory that applies the guard around ``factory``'s protocols."""
@@ -82,21 +96,37 @@ class _Guarded(asyncio.Protocol):
             return
         guard.open += 1
         self._counted = True
-        if guard.header_timeout_s > 0:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(guard.header_timeout_s, self._too_slow)
+        self._start_head_deadline()
         self._inner = self._factory()
         self._inner.connection_made(transport)
 
+    def _start_head_deadline(self) -> None:
+        if self._guard.header_timeout_s > 0:
+            self._tail = b""
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._guard.header_timeout_s, self._too_slow)
+
+    def _waiting_for_request(self) -> bool:
+        """True while aiohttp waits for the next request head: its request loop awaits
+        ``_waiter`` (the same test as aiohttp's own keep-alive timer). A private
+        attribute: tests/reliability/test_connection_limits.py pins the behaviour."""
+        waiter = getattr(self._inner, "_waiter", None)
+        return waiter is not None and not waiter.done()
+
     def _too_slow(self) -> None:
         self._timer = None
+        transport = self._transport
+        if transport is None or transport.is_closing() or not self._waiting_for_request():
+            return  # closed already, or aiohttp got a whole head the scan did not see
         self._guard.timed_out += 1
-        if self._transport is not None:
-            self._transport.abort()
+        transport.write(self._guard._too_slow)  # nothing else is being written: idle
+        transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self._inner is None:
             return
+        if self._timer is None and self._waiting_for_request():
+            self._start_head_deadline()  # a kept-alive connection's next request begins
         if self._timer is not None:
             if _HEAD_END in self._tail + data:
                 self._timer.cancel()

@@ -16,9 +16,10 @@ Contract:
   is logged per successful request; keys and prompts are never logged.
 - While active probes flag every worker, a well-formed API request gets a fast 503 with
   ``Retry-After`` instead of being tried on each dead worker in turn.
-- The listener passes through ``gateway.connguard`` (connection cap, head deadline);
-  aiohttp bounds header sizes and idle keep-alive; bodies are read within a deadline
-  (408). On SIGTERM the listener closes and in-flight requests get ``shutdown_grace_s``.
+- The listener passes through ``gateway.connguard`` (connection cap, a deadline for
+  every request head); aiohttp bounds header sizes and idle keep-alive; bodies are read
+  within a deadline (408). On SIGTERM the listener closes and in-flight requests get
+  ``shutdown_grace_s``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Connection limits (``gateway.connguard``): a cap on open connections answered with a
-503 JSON error, and slowloris clients (a request head that never ends) cut off."""
+503 JSON error, and slowloris clients (a request head that never ends) cut off, on a
+new connection and on every later request of a kept-alive one."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -63,8 +65,46 @@ async def test_slowloris_is_cut_off(guarded: tuple[ConnectionGuard, int], eventu
         await asyncio.sleep(0.1)
         writer.write(b"X-Slow: 1\r\n")
     data = await asyncio.wait_for(reader.read(), 5)  # closed by the gateway
-    assert data == b""
+    assert data.startswith(b"HTTP/1.1 408") and b"Connection: close" in data
+    assert data.endswith(b'"code":408}}')
     assert guard.timed_out == 1
     await eventually(lambda: guard.open == 0, 5, "the slow connection uncounted")
     writer.close()
     assert (await _get(port)).startswith(b"HTTP/1.1 200")  # whole heads still pass
+
+
+async def _response(reader: asyncio.StreamReader) -> bytes:
+    """One whole response (head and Content-Length body) from a kept-alive connection."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return head + await asyncio.wait_for(reader.readexactly(length), 5)
+
+
+async def test_slow_second_head_on_a_kept_alive_connection_is_cut_off(
+    guarded: tuple[ConnectionGuard, int], eventually
+) -> None:
+    guard, port = guarded  # header_timeout_s=0.5; aiohttp's keep-alive timeout: an hour
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await _response(reader)).startswith(b"HTTP/1.1 200")
+    await asyncio.sleep(0.8)  # idle longer than the head deadline: still kept alive
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await _response(reader)).startswith(b"HTTP/1.1 200")
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # the third head never ends
+    answer = b""
+    for _ in range(50):  # a header line every 0.1 s for up to 5 s
+        await asyncio.sleep(0.1)
+        if reader.at_eof() or writer.is_closing():
+            break
+        writer.write(b"X-Slow: 1\r\n")
+        with contextlib.suppress(TimeoutError):
+            answer += await asyncio.wait_for(reader.read(4096), 0.01)
+    answer += await asyncio.wait_for(reader.read(), 5)
+    assert answer.startswith(b"HTTP/1.1 408"), answer  # not the keep-alive timeout's close
+    assert guard.timed_out == 1
+    await eventually(lambda: guard.open == 0, 5, "the slow connection uncounted")
+    writer.close()
