@@ -1,4 +1,5 @@
-"""``python -m simulator`` / ``sglang-sim``: N simulated SGLang workers in one event loop."""
+"""``python -m simulator`` / ``sglang-sim``: N simulated SGLang (or llama.cpp) workers in one
+event loop."""
 
 from __future__ import annotations
 
@@ -29,7 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
             "Serve N simulated SGLang 0.5.23 workers on ports P..P+N-1 from one uvloop event\n"
             "loop. Each has SGLang's HTTP API, a radix KV cache with LRU eviction, continuous\n"
             "batching and the latency model of a named profile. Prints one URL per line on\n"
-            "stdout; stops on SIGINT/SIGTERM."
+            "stdout; stops on SIGINT/SIGTERM.\n\n"
+            "--engine llamacpp serves llama.cpp's server instead: --slots slots of\n"
+            "context-length/slots tokens each, one token sequence per slot (no KV shared\n"
+            "between slots), one batch per step on one thread, llama.cpp's HTTP API (/props,\n"
+            "/slots, llamacpp:* /metrics, timings.cache_n). The capacity, page-size,\n"
+            "max-running-requests, schedule-policy, cache-report and legacy-get-load flags\n"
+            "do not apply to it; --kv-events-config is refused."
         ),
         epilog=(
             f"profiles:\n{profiles}\n\n"
@@ -42,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--workers", type=int, default=1, help="number of workers (default 1)")
+    add(
+        "--engine",
+        default="sglang",
+        choices=["sglang", "llamacpp"],
+        help="personality: SGLang (radix cache) or llama.cpp's server (slots); default sglang",
+    )
+    add(
+        "--slots",
+        type=int,
+        default=2,
+        help="llamacpp: slots per worker (n_parallel), each context-length/slots (default 2)",
+    )
     add("--base-port", type=int, default=30000, help="port of worker 0 (default 30000)")
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     add(
@@ -67,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="seed of output text and fault draws (default 0)")
     add("--model-path", default="sim-model", help="reported model_path (default sim-model)")
     add("--served-model-name", default=None, help="reported model name (default: model path)")
-    add("--context-length", type=int, default=None, help="context length (default: profile's)")
+    add(
+        "--context-length",
+        type=int,
+        default=None,
+        help="context length, all slots together for llamacpp (default: profile's)",
+    )
     add("--max-running-requests", type=int, default=None, help="default: SGLang's formula")
     add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="default fcfs")
     add("--legacy-get-load", action="store_true", help="serve /get_load (0.5.5 list shape)")
@@ -103,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
+        engine=args.engine,
+        slots=args.slots,
         capacity_tokens=args.capacity_tokens,
         speed=args.speed,
         profile=args.profile,
@@ -142,8 +168,13 @@ async def serve(config: SimConfig, workers: int, host: str, base_port: int) -> N
         print(url, flush=True)
     profile = config.resolved_profile()
     capacity = config.capacity_tokens or profile.capacity_tokens
+    if config.engine == "llamacpp":
+        context = config.context_length or profile.context_length
+        kind = f"llama.cpp, {config.slots} slots of {context // config.slots} tokens"
+    else:
+        kind = f"SGLang, {capacity} KV tokens"
     print(
-        f"sglang-sim: {workers} worker(s), profile {profile.name}, {capacity} KV tokens each, "
+        f"sglang-sim: {workers} worker(s) ({kind} each), profile {profile.name}, "
         f"speed x{config.speed}; Ctrl-C to stop",
         file=sys.stderr,
         flush=True,

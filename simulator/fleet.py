@@ -3,13 +3,15 @@
     async with await SimulatedFleet.start(3, SimConfig(speed=50)) as fleet:
         fleet.urls                  # ["http://127.0.0.1:PORT", ...]
         fleet.workers[0].model      # served model name ("sim-model")
-        fleet.workers[0].engine     # the WorkerModel (radix cache, queues, counters)
+        fleet.workers[0].engine     # the WorkerModel (radix cache, queues, counters), or the
+                                    # SlotWorkerModel with SimConfig(engine="llamacpp")
         fleet.workers[0].faults     # mutable Faults (or POST /_sim/faults)
         fleet.workers[0].stats      # SimStats (or GET /_sim/stats)
         await fleet.stop_worker(1)      # like a killed process: listener closed, connections cut
         await fleet.restart_worker(1)   # same port, fresh state
 
-All workers share the caller's event loop.
+All workers share the caller's event loop. ``SimConfig(engine="llamacpp", slots=n)`` makes
+them llama.cpp servers (:mod:`simulator.llamacpp_server`) instead of SGLang workers.
 """
 
 from __future__ import annotations
@@ -17,16 +19,26 @@ from __future__ import annotations
 from types import TracebackType
 
 from simulator.config import SimConfig
+from simulator.llamacpp_server import LlamaCppWorker
 from simulator.server import SimulatedWorker
 
-__all__ = ["SimConfig", "SimulatedFleet", "SimulatedWorker"]
+__all__ = ["LlamaCppWorker", "SimConfig", "SimulatedFleet", "SimulatedWorker", "make_worker"]
+
+
+def make_worker(
+    config: SimConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0
+) -> SimulatedWorker | LlamaCppWorker:
+    """A worker of ``config.engine``'s personality (not started)."""
+    if config.engine == "llamacpp":
+        return LlamaCppWorker(config, host, port, index)
+    return SimulatedWorker(config, host, port, index)
 
 
 class SimulatedFleet:
     def __init__(self, config: SimConfig, host: str) -> None:
         self.config = config
         self.host = host
-        self.workers: list[SimulatedWorker] = []
+        self.workers: list[SimulatedWorker | LlamaCppWorker] = []
         self._ports: list[int] = []
 
     @classmethod
@@ -37,7 +49,7 @@ class SimulatedFleet:
         fleet = cls(config or SimConfig(), host)
         try:
             for i in range(n):
-                worker = SimulatedWorker(fleet.config, host, base_port + i if base_port else 0, i)
+                worker = make_worker(fleet.config, host, base_port + i if base_port else 0, i)
                 await worker.start()
                 fleet.workers.append(worker)
                 fleet._ports.append(worker.port)
@@ -57,7 +69,7 @@ class SimulatedFleet:
     async def restart_worker(self, i: int) -> None:
         """Start worker ``i`` again on its port, with fresh state (empty cache, no faults)."""
         await self.workers[i].stop(kill=True)
-        worker = SimulatedWorker(self.config, self.host, self._ports[i], i)
+        worker = make_worker(self.config, self.host, self._ports[i], i)
         await worker.start()
         self.workers[i] = worker
 

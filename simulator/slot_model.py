@@ -137,6 +137,7 @@ class Slot:
     n_decoded: int = 0
     n_remain: int = 0
     task_id: int = -1
+    last_rid: str | None = None  # the request using it, or that used it last
 
     @property
     def tokens(self) -> int:
@@ -316,6 +317,7 @@ class SlotWorkerModel:
             slot.req = r
             slot.used = True
             slot.task_id = r.task_id
+            slot.last_rid = r.rid
             slot.n_prompt_tokens = r.prompt_len
             slot.n_prompt_tokens_processed = 0
             slot.n_decoded = 0
@@ -437,8 +439,8 @@ class SlotWorkerModel:
         return not self._by_rid and not self._pending
 
     def slot_of(self, rid: str) -> Slot | None:
-        r = self._by_rid.get(rid)
-        return r.slot if r is not None else None
+        """The slot ``rid`` runs in, or ran in while no later request took it."""
+        return next((s for s in self.slot_list if s.last_rid == rid), None)
 
     def slot_contents(self) -> list[list[int]]:
         """Each slot's tokens (for tests and ``/slots``)."""
