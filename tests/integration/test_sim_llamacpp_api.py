@@ -84,8 +84,7 @@ async def test_info_endpoints_have_llamacpp_shapes(
     assert models["data"][0]["meta"]["n_ctx"] == 4096
     async with client.get(url + "/slots") as resp:
         assert await resp.json() == [
-            {"id": i, "n_ctx": 4096, "speculative": False, "is_processing": False}
-            for i in range(2)
+            {"id": i, "n_ctx": 4096, "speculative": False, "is_processing": False} for i in range(2)
         ]
     for path in ("/server_info", "/v1/loads", "/get_load"):
         async with client.get(url + path) as resp:
