@@ -41,7 +41,7 @@ from simulator.api import ApiError
 from simulator.config import SimConfig
 from simulator.driver import DrivenModel, RequestHandle
 from simulator.model import Finish, RequestOutput, SimRequest
-from simulator.server import Handler, HttpWorker, json_response
+from simulator.server import Handler, HttpWorker, json_response, route_table
 from simulator.slot_model import ContextTooLong, SlotWorkerModel
 
 SERVER_NAME = "llama.cpp"
@@ -117,11 +117,7 @@ class LlamaCppWorker(HttpWorker):
         ]
         if self.config.enable_metrics:
             table.append(("/metrics", get, self._metrics))
-        routes: dict[str, dict[str, Handler]] = {}
-        for path, methods, handler in table:
-            for method in methods:
-                routes.setdefault(path, {})[method] = handler
-        return routes
+        return route_table(table)
 
     def _not_found(self, request: web.BaseRequest) -> web.StreamResponse:
         return self._method_not_allowed()

@@ -215,6 +215,24 @@ def pseudo_text_output(prompt_key: bytes, seed: int, n: int) -> list[int]:
     return default_tokenizer().pseudo_output_ids(xxhash.xxh64_intdigest(prompt_key, seed), n)
 
 
+def planned_output(
+    req: SimRequest, key: bytes, limit: int, seed: int, source: OutputSource
+) -> tuple[list[int], bool]:
+    """The tokens ``req`` will generate with at most ``limit`` of them, and whether the last
+    is EOS (``eos_at`` within the limit and not ``ignore_eos``)."""
+    length = limit
+    eos = not req.ignore_eos and req.eos_at is not None and req.eos_at <= limit
+    if eos:
+        assert req.eos_at is not None
+        length = req.eos_at
+    output = (
+        list(req.output_ids[:length]) if req.output_ids is not None else source(key, seed, length)
+    )
+    if eos and output:
+        output[-1] = default_tokenizer().eos_token_id
+    return output, eos
+
+
 @dataclass
 class _Counters:
     prompt_tokens: int = 0  # of finished requests
@@ -320,17 +338,7 @@ class WorkerModel:
                 f"({max_req_len} tokens)."
             )
         limit = min(max(req.max_new_tokens, 0), max_req_len - prompt_len - 1)
-        length = limit
-        eos = not req.ignore_eos and req.eos_at is not None and req.eos_at <= limit
-        if eos:
-            assert req.eos_at is not None
-            length = req.eos_at
-        if req.output_ids is not None:
-            output = list(req.output_ids[:length])
-        else:
-            output = self.output_source(key, self.seed, length)
-        if eos and output:
-            output[-1] = default_tokenizer().eos_token_id
+        output, eos = planned_output(req, key, limit, self.seed, self.output_source)
         r = _Req(req, key, output, now, limit, eos)
         self._by_rid[r.rid] = r
         self._enqueue(r)

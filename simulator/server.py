@@ -62,6 +62,17 @@ def json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type=JSON_TYPE)
 
 
+def route_table(
+    table: list[tuple[str, tuple[str, ...], Handler]],
+) -> dict[str, dict[str, Handler]]:
+    """``{path: {method: handler}}`` from ``(path, methods, handler)`` rows."""
+    routes: dict[str, dict[str, Handler]] = {}
+    for path, methods, handler in table:
+        for method in methods:
+            routes.setdefault(path, {})[method] = handler
+    return routes
+
+
 @dataclass
 class SimStats:
     """What ``GET /_sim/stats`` reports besides the model's live figures."""
@@ -427,11 +438,7 @@ class SimulatedWorker(HttpWorker):
             table.append(("/metrics", get, self._metrics))
         if self.config.legacy_get_load:
             table.append(("/get_load", get, self._get_load))
-        routes: dict[str, dict[str, Handler]] = {}
-        for path, methods, handler in table:
-            for method in methods:
-                routes.setdefault(path, {})[method] = handler
-        return routes
+        return route_table(table)
 
     # ------------------------------------------------------------------ inference plumbing
     def _submit(self, gen: _Gen, stream_outputs: bool) -> RequestHandle:

@@ -54,6 +54,7 @@ from simulator.model import (
     SimRequest,
     StepKind,
     StepResult,
+    planned_output,
     pseudo_text_output,
 )
 from simulator.profiles import DEFAULT_PROFILE, Profile, get_profile
@@ -219,17 +220,7 @@ class SlotWorkerModel:
         if prompt_len >= self.n_ctx:
             raise ContextTooLong(prompt_len, self.n_ctx)
         limit = min(max(req.max_new_tokens, 0), self.n_ctx - prompt_len)
-        length = limit
-        eos = not req.ignore_eos and req.eos_at is not None and req.eos_at <= limit
-        if eos:
-            assert req.eos_at is not None
-            length = req.eos_at
-        if req.output_ids is not None:
-            output = list(req.output_ids[:length])
-        else:
-            output = self.output_source(key, self.seed, length)
-        if eos and output:
-            output[-1] = default_tokenizer().eos_token_id
+        output, eos = planned_output(req, key, limit, self.seed, self.output_source)
         r = _SlotReq(req, key, output, eos, now, self._tasks)
         self._tasks += 1
         self._by_rid[r.rid] = r
