@@ -14,9 +14,13 @@ worker i mod K: the balanced affinity a router should reach). ``gateway:<policy>
 also tells the gateway each worker's real capacity (``--max-tree-size``, see
 ``workload.capacity_hint_args``).
 
-``--fleet sim`` runs the same targets on the simulated SGLang fleet calibrated to these
-workers (profile ``tiny-cpu`` at ``--sim-speed`` 0.44; a radix cache of ``slots`` prompts'
-tokens; ``slots`` running requests); its cached fraction comes from ``usage``.
+``--fleet sim`` runs the same targets on the simulated fleet calibrated to these workers
+(profile ``tiny-cpu`` at ``--sim-speed`` 0.44): by default simulated llama.cpp servers
+(``--sim-engine llamacpp``: ``--slots`` slots of 4,096 tokens, one prompt per slot, no KV
+shared between slots), whose cached fraction comes from their ``/metrics`` counters as on
+the real fleet; ``--sim-engine sglang`` runs the earlier stand-in (SGLang workers with a
+radix cache of ``slots`` prompts' tokens and ``slots`` running requests), whose cached
+fraction comes from ``usage``.
 
     python -m loadtests.engine.bench [--targets gateway:round_robin,gateway:min_ttft]
         [--markdown results/real_engine.md] [--json results/real_engine.json]
@@ -140,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fleet", choices=("llama", "sim"), default="llama")
     parser.add_argument("--sim-profile", default="tiny-cpu", help="simulator profile")
     parser.add_argument(
+        "--sim-engine",
+        choices=("llamacpp", "sglang"),
+        default="llamacpp",
+        help="--fleet sim: simulated llama.cpp slots (default) or SGLang's radix cache",
+    )
+    parser.add_argument(
         "--sim-speed", type=float, default=SIM_SPEED, help="modelled s per wall s (calibration)"
     )
     parser.add_argument("--markdown", type=Path, default=None)
@@ -160,6 +170,8 @@ def start_fleet(args: argparse.Namespace, log_dir: Path) -> Iterator[list[str]]:
     settings = SimSettings(
         profile=args.sim_profile,
         speed=args.sim_speed,
+        engine=args.sim_engine,
+        slots=args.slots,
         capacity_tokens=args.slots * prompt_tokens,
         max_running_requests=args.slots,
     )
@@ -180,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             requests = shared_prefix_requests(replace(spec, text_salt=salt + 1))
             row = run_target(
                 target, urls, requests, args.concurrency, Path(tmp), args.gateway_arg,
-                args.slots, engine_counters=args.fleet == "llama",
+                args.slots, engine_counters=args.fleet == "llama" or args.sim_engine == "llamacpp",
             )  # fmt: skip
             print(json.dumps(asdict(row)), flush=True)
             rows.append(row)

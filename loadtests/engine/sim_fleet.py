@@ -1,10 +1,17 @@
-"""The simulated SGLang fleet (``python -m simulator``) as a subprocess, stopped by PID.
+"""The simulated fleet (``python -m simulator``) as a subprocess, stopped by PID.
 
 Used by the real-engine benchmark to run the same workload on the simulator with a
 profile calibrated to the llama.cpp workers: ``speed`` scales modelled time to wall time
-(``speed = profile's prefill s/token / measured s/token``), ``capacity_tokens`` and
-``max_running_requests`` stand for the llama.cpp slots (a radix cache of ``slots`` prompts'
-tokens; ``slots`` requests at once).
+(``speed = profile's prefill s/token / measured s/token``).
+
+With ``engine="llamacpp"`` (``loadtests.engine.bench``'s default) the workers are
+simulated llama.cpp servers with the real fleet's geometry: ``slots`` slots of
+``ctx_per_slot`` tokens, one prompt per slot, no KV shared between slots, and the same
+``/metrics`` counters, so the benchmark reads the cached fraction from the engines as on
+the real fleet. ``engine="sglang"`` (the default here, used by other benchmarks and tests)
+is the earlier stand-in: SGLang workers whose ``capacity_tokens`` and
+``max_running_requests`` stand for the slots (a radix cache of ``slots`` prompts' tokens;
+``slots`` requests at once), their cached fraction read from ``usage``.
 """
 
 from __future__ import annotations
@@ -27,16 +34,29 @@ class SimSettings:
 
     profile: str = "tiny-cpu"
     speed: float = 1.0
-    capacity_tokens: int = 4200
-    max_running_requests: int = 2
+    engine: str = "sglang"  # or "llamacpp" (the real-engine benchmark's default)
+    slots: int = 2  # llamacpp: n_parallel
+    ctx_per_slot: int = 4096  # llamacpp: as LlamaFleet's default
+    capacity_tokens: int = 4200  # sglang only
+    max_running_requests: int = 2  # sglang only
 
     def args(self, k: int) -> list[str]:
-        return [
+        common = [
             sys.executable, "-m", "simulator", "--workers", str(k), "--base-port", "0",
             "--profile", self.profile, "--speed", str(self.speed),
-            "--capacity-tokens", str(self.capacity_tokens),
-            "--max-running-requests", str(self.max_running_requests),
-            "--enable-metrics", "--enable-cache-report", "--served-model-name", "tiny-llama",
+            "--enable-metrics", "--served-model-name", "tiny-llama",
+        ]  # fmt: skip
+        if self.engine == "llamacpp":
+            context = self.slots * self.ctx_per_slot
+            return [
+                *common, "--engine", "llamacpp", "--slots", str(self.slots),
+                "--context-length", str(context),
+            ]  # fmt: skip
+        if self.engine != "sglang":
+            raise ValueError(f"unknown simulator engine {self.engine!r}")
+        return [
+            *common, "--capacity-tokens", str(self.capacity_tokens),
+            "--max-running-requests", str(self.max_running_requests), "--enable-cache-report",
         ]  # fmt: skip
 
 
