@@ -13,6 +13,14 @@ aiohttp waits for the next request. Too slow: a ``408`` JSON answer with
 idle time before that first byte is aiohttp's keep-alive timeout. Counters are plain
 attributes, read by tests and metrics; nothing here is module-level state.
 
+Errors aiohttp answers itself, outside the application and its middleware (a request it
+cannot parse: a method its parser does not know, a malformed request line or header, a
+line over ``max_header_size``; a handler that raised), are rendered by
+:class:`JsonErrorsHandler` as OpenAI-style JSON like every other error, without echoing
+the request: a method the parser does not know gets ``501`` (RFC 9110 §9.1, no route can
+be known), the rest keep aiohttp's status. Methods the parser knows (``TRACE``,
+``PROPFIND``, ...) reach the router: a known path answers ``405`` with ``Allow``.
+
 Why from the first byte and not from the previous response's end: the latter would close
 every kept-alive connection idle for ``header_timeout_s``, making the keep-alive timeout
 meaningless. Counting from the first byte bounds what slowloris needs (a head that never
@@ -26,12 +34,18 @@ connection longer than an idle client may, and each head gets ``header_timeout_s
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, LineTooLong
 
-from gateway.errors import error_body
+from gateway.errors import error_body, error_response
+
+log = logging.getLogger("gateway.server")
+# 501 here is the client's choice of method: OpenAI's type for a bad request
+NOT_IMPLEMENTED_TYPE = {501: "invalid_request_error"}
 
 _HEAD_END = b"\r\n\r\n"
 
@@ -160,6 +174,52 @@ class _Guarded(asyncio.Protocol):
         return getattr(self._inner, name)
 
 
+class JsonErrorsHandler(web.RequestHandler):
+    """aiohttp's connection handler, with its own error answers in the gateway's JSON."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            # aiohttp's own: logs with the traceback, refuses once a response has begun
+            super().handle_error(request, status, exc, message)
+            text = "the gateway failed to handle the request"
+        else:
+            if request.writer.output_size > 0:
+                raise ConnectionError("a response has begun: no room for an error")
+            status, text = _protocol_error(status, exc)
+            # a bad status line is mostly non-HTTP traffic (TLS, scanners): debug only
+            level = logging.DEBUG if isinstance(exc, BadStatusLine) else logging.INFO
+            log.log(level, "unparseable request from %s: %d %s", request.remote, status, text)
+        response = error_response(status, text, err_type=NOT_IMPLEMENTED_TYPE.get(status))
+        response.force_close()
+        return response
+
+
+def _protocol_error(status: int, exc: BaseException | None) -> tuple[int, str]:
+    """Status and message for a request aiohttp's parser refused (never its bytes)."""
+    if isinstance(exc, BadHttpMethod):
+        return 501, "the request method is not one the gateway implements"
+    if isinstance(exc, LineTooLong):
+        return status, "a request line or header line is longer than the gateway allows"
+    return status, "malformed HTTP request"
+
+
+def json_errors_factory(server: web.Server) -> Callable[[], asyncio.Protocol]:
+    """Protocol factory like ``server`` itself, building :class:`JsonErrorsHandler`."""
+
+    def make() -> asyncio.Protocol:
+        return JsonErrorsHandler(server, loop=server._loop, **server._kwargs)
+
+    return make
+
+
 class GuardedSite(web.BaseSite):
     """A TCP site like ``web.TCPSite`` whose connections pass through ``guard`` first."""
 
@@ -186,7 +246,7 @@ class GuardedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None
-        factory: Callable[[], asyncio.Protocol] = server
+        factory = json_errors_factory(server)
         self._server = await asyncio.get_running_loop().create_server(
             self.guard.wrap(factory),
             self._guard_host,

@@ -39,7 +39,7 @@ from aiohttp import web
 from gateway import keys
 from gateway.auth import ANONYMOUS, Authenticator, collect_keys, path_scope, worker_credentials
 from gateway.config import GatewayConfig
-from gateway.connguard import ConnectionGuard, GuardedSite
+from gateway.connguard import NOT_IMPLEMENTED_TYPE, ConnectionGuard, GuardedSite
 from gateway.errors import GatewayError, error_response, render
 from gateway.proxy import ClientGone
 from gateway.ratelimit import RateLimiter
@@ -93,11 +93,17 @@ def make_middleware(config: GatewayConfig) -> Any:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            message = _http_message(exc, request)
-            _log_error(request_id, request, exc.status, message)
-            return error_response(
-                exc.status, message, headers={"x-request-id": request_id, **_allow(exc)}
+            status, message = _http_error(exc, request)
+            _log_error(request_id, request, status, message)
+            response = error_response(
+                status,
+                message,
+                err_type=NOT_IMPLEMENTED_TYPE.get(status),
+                headers={"x-request-id": request_id, **_allow(exc)},
             )
+            if status == 501:  # after CONNECT the parser reads the rest as a tunnel
+                response.force_close()
+            return response
 
     return middleware
 
@@ -123,14 +129,18 @@ def _admit(request: web.Request, auth: Authenticator, limiter: RateLimiter) -> N
             raise GatewayError(429, "rate limit exceeded for this API key", retry_after=wait)
 
 
-def _http_message(exc: web.HTTPException, request: web.Request) -> str:
+def _http_error(exc: web.HTTPException, request: web.Request) -> tuple[int, str]:
+    """Status and message for aiohttp's routing errors (405 keeps its ``Allow``)."""
+    if exc.status == 404 and request.method == "CONNECT":
+        # an authority-form target has no path to route: the gateway is no forward proxy
+        return 501, "the CONNECT method is not implemented: the gateway is not a proxy"
     if exc.status == 404:
-        return f"no route for {request.method} {request.path}"
+        return 404, f"no route for {request.method} {request.path}"
     if exc.status == 405:
-        return f"method {request.method} is not allowed on {request.path}"
+        return 405, f"method {request.method} is not allowed on {request.path}"
     if exc.status == 413:
-        return "request body is larger than the gateway's max_payload_size"
-    return exc.reason
+        return 413, "request body is larger than the gateway's max_payload_size"
+    return exc.status, exc.reason
 
 
 def _allow(exc: web.HTTPException) -> dict[str, str]:
@@ -139,7 +149,7 @@ def _allow(exc: web.HTTPException) -> dict[str, str]:
 
 
 def _log_error(request_id: str, request: web.Request, status: int, message: str) -> None:
-    level = logging.WARNING if status >= 500 else logging.INFO
+    level = logging.WARNING if status >= 500 and status != 501 else logging.INFO
     log.log(
         level, "request %s %s %s: %d %s", request_id, request.method, request.path, status, message
     )
