@@ -14,10 +14,11 @@ The shapes are those docs/REAL_ENGINE.md records of llama.cpp's server (xllamacp
 * ``POST /v1/chat/completions`` streamed or not, and the native ``POST /completion``: a
   prompt longer than a slot is a 400 ``exceed_context_size_error``; the answer names the
   alias whatever ``model`` the request gave; ``usage.prompt_tokens_details.cached_tokens``
-  and ``timings`` (``cache_n``, ``prompt_n``, ``prompt_ms``…, in modelled time) on the
-  plain answer, on the stream's finish chunk and on its ``include_usage`` chunk. A stream
-  starts after prefill: the first event is ``delta: {"role": "assistant", "content":
-  null}``, then the content deltas.
+  and ``timings`` (``cache_n``, ``prompt_n``, ``prompt_ms``…, in modelled time;
+  ``prompt_ms`` counts from arrival, so it includes a wait for a slot) on the plain
+  answer, on the stream's finish chunk and on its ``include_usage`` chunk. A stream starts
+  after prefill: the first event is ``delta: {"role": "assistant", "content": null}``,
+  then the content deltas.
 * No ``rid`` and no abort endpoint: closing the connection of a *streamed* request frees
   its slot; a plain request runs to its end even if its client left. After a streamed
   response the connection is closed (the real server does it without saying so; here it
