@@ -88,10 +88,11 @@ async def open_dashboard(browser: Browser, url: str) -> tuple[Page, list[str]]:
 
 
 class FakeFleet:
-    """Three workers; in-flight figures set by the test."""
+    """Three workers; in-flight figures and index modes set by the test."""
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.modes: dict[str, str | None] = {"w1": "exact", "w2": "degraded", "w3": None}
 
     def __call__(self) -> FleetSnapshot:
         return FleetSnapshot(
@@ -104,7 +105,13 @@ class FakeFleet:
                     in_flight=self.in_flight + i,
                     engine_waiting=i,
                     engine_token_usage=0.1 * i,
-                    index=IndexFigures(blocks=100 * i, approx_bytes=12800 * i),
+                    index=IndexFigures(
+                        blocks=100 * i,
+                        approx_bytes=12800 * i,
+                        predicted_tokens=200,
+                        reported_tokens=100,
+                    ),
+                    index_mode=self.modes[w],
                 )
                 for i, w in enumerate(WORKERS)
             ],
@@ -143,6 +150,20 @@ async def test_dashboard_on_fake_fleet(browser: Browser, tmp_path: Path) -> None
             await page.wait_for_selector(f'#workers tbody tr[data-worker="{w}"]')
         assert await page.inner_text("#total-requests") == "0"
         assert "ejected" in await page.inner_text('#workers tr[data-worker="w3"]')
+        w1_mode = page.locator('#workers tr[data-worker="w1"] td[data-field="mode"] .badge')
+        assert await w1_mode.inner_text() == "exact"
+        assert "ok" in (await w1_mode.get_attribute("class") or "")
+        assert await w1_mode.get_attribute("title") == "index fidelity 50.0%"
+        w2_mode = page.locator('#workers tr[data-worker="w2"] td[data-field="mode"] .badge')
+        assert await w2_mode.inner_text() == "degraded"
+        assert "warn" in (await w2_mode.get_attribute("class") or "")
+        w3_mode = '#workers tr[data-worker="w3"] td[data-field="mode"]'
+        assert await page.inner_text(w3_mode) == "\u2013"  # not reported: a dash, no badge
+        fleet.modes["w2"] = "exact"  # the next refresh redraws it
+        await page.wait_for_selector(
+            '#workers tr[data-worker="w2"] td[data-field="mode"] .badge[data-mode="exact"]',
+            timeout=10_000,
+        )
         assert await page.locator("#decisions tbody tr").count() == 0
 
         fleet.in_flight = 5
@@ -214,6 +235,9 @@ async def test_dashboard_through_gateway_and_simulated_fleet(
             )
             assert await page.inner_text("#total-requests") == "0"
             assert await page.inner_text("#policy") == "min_ttft"
+            for wid in ids:  # exact mode off: every worker on the approximate index
+                cell = f'#workers tr[data-worker="{wid}"] td[data-field="mode"]'
+                assert await page.inner_text(cell) == "approximate"
 
             await _shared_prefix_traffic(url, 24)
             await page.wait_for_function(

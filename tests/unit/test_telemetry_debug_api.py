@@ -23,11 +23,12 @@ def fleet() -> FleetSnapshot:
                 worker=w,
                 url=f"http://127.0.0.1:1900{i}",
                 in_flight=i,
+                index_mode=mode,
                 index=IndexFigures(
                     blocks=5, approx_bytes=640, predicted_tokens=100, reported_tokens=80
                 ),
             )
-            for i, w in enumerate(["w1", "w2"])
+            for i, (w, mode) in enumerate([("w1", "exact"), ("w2", "degraded")])
         ],
         policy="min_ttft",
     )
@@ -123,3 +124,9 @@ async def test_dashboard_page_and_data(env: Env) -> None:
     assert w1["ttft_s"]["p50"] == pytest.approx(0.03)
     assert w1["ttft_s"]["p99"] == pytest.approx(0.04)
     assert len(data["decisions"]) == 4
+    # what the page's mode badge reads (tests/browser/test_dashboard.py draws it)
+    assert [(w["index_mode"], w["fidelity"]) for w in data["workers"]] == [
+        ("exact", 0.8),
+        ("degraded", 0.8),
+    ]
+    assert "w.index_mode" in html and 'dataset.field = "mode"' in html
