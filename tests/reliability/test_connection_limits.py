@@ -18,10 +18,15 @@ async def _ok(_: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+async def _boom(_: web.Request) -> web.Response:
+    raise RuntimeError("a bug")
+
+
 @pytest.fixture
 async def guarded() -> AsyncIterator[tuple[ConnectionGuard, int]]:
     app = web.Application()
     app.router.add_get("/", _ok)
+    app.router.add_get("/boom", _boom)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     guard = ConnectionGuard(max_connections=3, header_timeout_s=0.5)
@@ -108,3 +113,13 @@ async def test_slow_second_head_on_a_kept_alive_connection_is_cut_off(
     assert guard.timed_out == 1
     await eventually(lambda: guard.open == 0, 5, "the slow connection uncounted")
     writer.close()
+
+
+async def test_a_handler_crash_is_a_json_500(guarded: tuple[ConnectionGuard, int]) -> None:
+    _, port = guarded
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = await asyncio.wait_for(reader.read(), 5)  # aiohttp closes after its own errors
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 500") and b"Content-Type: application/json" in data
+    assert data.endswith(b'"code":500}}') and b"a bug" not in data
