@@ -107,6 +107,37 @@ PROFILES: dict[str, Profile] = {
             accelerator="CPU",
             gpu_memory_gb=0.0,
         ),
+        Profile(
+            name="tiny-llamacpp",
+            description=(
+                "the project's tiny generated model on llama.cpp, 1 thread on this machine "
+                "(docs/REAL_ENGINE.md): cold 2,000 tokens ≈1.66 s, 200 over 1,800 cached "
+                "≈0.24 s; use with --engine llamacpp at speed 1"
+            ),
+            # Fitted (not guessed) to REAL_ENGINE.md's three quiet-machine points:
+            #   cold 2,000 tokens 1.66 s; 200 new over 1,800 cached 0.24 s; an exact
+            #   repeat of 2,310 tokens 11 ms (so the per-request fixed part is small).
+            # fixed 2 ms, 0.49 ms per new token, 332 ns per attention pair solve the first
+            # two and give ~4 ms + a decode step for the third: with a model this narrow,
+            # attention over the context costs as much as the matmuls.
+            prefill_fixed_s=2e-3,
+            prefill_per_token_s=0.49e-3,
+            attention_per_pair_s=332e-9,
+            # decode 1-10 ms per token (REAL_ENGINE.md), growing with the context
+            decode_floor_s=1e-3,
+            decode_per_request_s=0.5e-3,
+            decode_per_context_token_s=332e-9,
+            decode_overhead_s=0.5e-3,
+            chunked_prefill_size=2048,
+            max_prefill_tokens=2048,
+            capacity_tokens=8192,
+            context_length=8192,
+            kv_bytes_per_token=8192,
+            weight_gb=0.03,
+            graph_gb=0.0,
+            accelerator="CPU",
+            gpu_memory_gb=0.0,
+        ),
     )
 }
 DEFAULT_PROFILE = "llama3-8b-h100"

@@ -12,10 +12,12 @@ Targets: ``gateway:<policy>`` (the project's gateway as a subprocess),
 baselines with no router: ``direct:round_robin`` and ``direct:sticky`` (prefix i →
 worker i mod K: the balanced affinity a router should reach). ``gateway:<policy>+capacity``
 also tells the gateway each worker's real capacity (``--max-tree-size``, see
-``workload.capacity_hint_args``).
+``workload.capacity_hint_args``); not needed since the gateway reads llama.cpp's
+``/props`` itself, kept to compare.
 
 ``--fleet sim`` runs the same targets on the simulated fleet calibrated to these workers
-(profile ``tiny-cpu`` at ``--sim-speed`` 0.44): by default simulated llama.cpp servers
+(profile ``tiny-llamacpp`` at ``--sim-speed`` 1, fitted to docs/REAL_ENGINE.md's
+measurements): by default simulated llama.cpp servers
 (``--sim-engine llamacpp``: ``--slots`` slots of 4,096 tokens, one prompt per slot, no KV
 shared between slots), whose cached fraction comes from their ``/metrics`` counters as on
 the real fleet; ``--sim-engine sglang`` runs the earlier stand-in (SGLang workers with a
@@ -49,9 +51,11 @@ from loadtests.engine.workload import (
     shared_prefix_requests,
 )
 
-# Calibration of the simulator's tiny-cpu profile to these workers: it models a cold
-# 2,028-token prefill as 1.04 s, measured 2.36 s on a quiet machine (1 thread): 0.44.
-SIM_SPEED = 0.44
+# The simulator's profile for these workers: tiny-llamacpp is fitted to REAL_ENGINE.md's
+# quiet-machine measurements of this model on one thread (simulator/profiles.py), so it
+# runs at speed 1. (The earlier tiny-cpu profile needed a speed of 0.44.)
+SIM_PROFILE = "tiny-llamacpp"
+SIM_SPEED = 1.0
 TEMPLATE_TOKENS = 16  # ChatML overhead of a two-message request, rounded up
 
 DEFAULT_TARGETS = (
@@ -62,8 +66,6 @@ DEFAULT_TARGETS = (
     "gateway:consistent_hash",
     "gateway:cache_aware",
     "gateway:min_ttft",
-    "gateway:cache_aware+capacity",
-    "gateway:min_ttft+capacity",
     "sglang-router:cache_aware",
 )
 
@@ -142,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gateway-arg", action="append", default=[], help="passed to gateway")
     parser.add_argument("--fleet", choices=("llama", "sim"), default="llama")
-    parser.add_argument("--sim-profile", default="tiny-cpu", help="simulator profile")
+    parser.add_argument("--sim-profile", default=SIM_PROFILE, help="simulator profile")
     parser.add_argument(
         "--sim-engine",
         choices=("llamacpp", "sglang"),

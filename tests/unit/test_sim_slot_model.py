@@ -217,3 +217,29 @@ def test_eos_and_from_config() -> None:
 def test_config_validation(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SimConfig(**overrides).validate()  # type: ignore[arg-type]
+
+
+def test_tiny_llamacpp_profile_reproduces_the_measured_engine() -> None:
+    """The profile the real-engine benchmark simulates, against REAL_ENGINE.md's
+    quiet-machine measurements of the tiny model on llama.cpp (1 thread): a cold
+    2,000-token prompt 1.66 s, 200 new tokens over a cached 1,800-token prefix 0.24 s, an
+    exact repeat of 2,310 tokens 11 ms (within 15 %, or a few ms for the last)."""
+    profile = get_profile("tiny-llamacpp")
+    model = SlotWorkerModel(profile, slots=2, n_ctx=4096)
+    prefix = tokens(1800, 7)
+    cold = [*prefix, *tokens(200, 8)]
+    model.submit(SimRequest("cold", cold, max_new_tokens=1, ignore_eos=True), 0.0)
+    end, outputs, _ = drive(model)
+    assert first_token_time(outputs, "cold") == pytest.approx(1.66, rel=0.15)
+    start = end + 1.0
+    warm = [*prefix, *tokens(200, 9)]
+    model.submit(SimRequest("warm", warm, max_new_tokens=1, ignore_eos=True), start)
+    end, outputs, _ = drive(model, start)
+    assert finish_of(outputs, "warm").cached_tokens == 1800
+    assert first_token_time(outputs, "warm") - start == pytest.approx(0.24, rel=0.15)
+    long = tokens(2310, 10)
+    _, end = run(model, "long", long, end + 1.0)
+    start = end + 1.0
+    model.submit(SimRequest("repeat", long, max_new_tokens=1, ignore_eos=True), start)
+    _, outputs, _ = drive(model, start)
+    assert first_token_time(outputs, "repeat") - start < 0.011 + 0.005
