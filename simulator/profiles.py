@@ -114,9 +114,10 @@ PROFILES: dict[str, Profile] = {
                 "(docs/REAL_ENGINE.md): cold 2,000 tokens ≈1.66 s, 200 over 1,800 cached "
                 "≈0.24 s; use with --engine llamacpp at speed 1"
             ),
-            # Fitted (not guessed) to REAL_ENGINE.md's three quiet-machine points:
-            #   cold 2,000 tokens 1.66 s; 200 new over 1,800 cached 0.24 s; an exact
-            #   repeat of 2,310 tokens 11 ms (so the per-request fixed part is small).
+            # Fitted (not guessed) to three quiet-machine points of REAL_ENGINE.md (the
+            #   shared one, "Measured"): cold ~2,000 tokens 1.66 s; a new ~200-token
+            #   message over a cached 1,800-token prefix 0.244 s; an exact repeat 12 ms
+            #   (so the per-request fixed part is small).
             # fixed 2 ms, 0.49 ms per new token, 332 ns per attention pair solve the first
             # two and give ~4 ms + a decode step for the third: with a model this narrow,
             # attention over the context costs as much as the matmuls.

@@ -222,8 +222,8 @@ def test_config_validation(overrides: dict[str, object], message: str) -> None:
 def test_tiny_llamacpp_profile_reproduces_the_measured_engine() -> None:
     """The profile the real-engine benchmark simulates, against REAL_ENGINE.md's
     quiet-machine measurements of the tiny model on llama.cpp (1 thread): a cold
-    2,000-token prompt 1.66 s, 200 new tokens over a cached 1,800-token prefix 0.24 s, an
-    exact repeat of 2,310 tokens 11 ms (within 15 %, or a few ms for the last)."""
+    2,000-token prompt 1.66 s, 200 new tokens over a cached 1,800-token prefix 0.244 s, an
+    exact repeat 12 ms (within 15 %, or a few ms for the last)."""
     profile = get_profile("tiny-llamacpp")
     model = SlotWorkerModel(profile, slots=2, n_ctx=4096)
     prefix = tokens(1800, 7)
@@ -242,4 +242,4 @@ def test_tiny_llamacpp_profile_reproduces_the_measured_engine() -> None:
     start = end + 1.0
     model.submit(SimRequest("repeat", long, max_new_tokens=1, ignore_eos=True), start)
     _, outputs, _ = drive(model, start)
-    assert first_token_time(outputs, "repeat") - start < 0.011 + 0.005
+    assert first_token_time(outputs, "repeat") - start < 0.012 + 0.005
