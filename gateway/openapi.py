@@ -211,6 +211,7 @@ def build_spec() -> dict[str, Any]:
     paths["/v1/models"] = _get("Models served by the workers", "clientKey", "401")
     paths["/health"] = _get("200 while a worker is routable", None, "503")
     paths["/readiness"] = _get("Same as /health", None, "503")
+    paths["/liveness"] = _get("200 while the gateway process serves", None)
     paths["/openapi.json"] = _get("This document", None)
     paths.update(_admin_paths())
     schemas: dict[str, Any] = {_name(p): s for p, s in _BODIES.items()}

@@ -6,7 +6,8 @@ Contract:
   pass admission (429/503), then hand it to the router. The client's bytes reach the
   worker untouched except for the ``rid`` the gateway needs to abort.
 - ``GET /v1/models``: the workers' model cards, fetched live and deduplicated by id.
-- ``GET /health`` and ``/readiness``: 200 while a worker is routable, 503 otherwise.
+- ``GET /health`` and ``/readiness``: 200 while a worker is routable, 503 otherwise;
+  ``GET /liveness``: 200 while the process serves, whatever the workers (restart probes).
 - The middleware renders every error as OpenAI-style JSON with ``x-request-id``, logs one
   line per error (5xx at WARNING, 4xx at INFO), checks keys (``gateway.auth``: client
   keys on the API, the admin key on admin routes, probes open unless configured),
@@ -213,6 +214,10 @@ async def _route(
         return gone.response  # aiohttp ignores the closed transport from here
 
 
+async def liveness(request: web.Request) -> web.Response:
+    return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+
 async def readiness(request: web.Request) -> web.Response:
     registry = request.app[keys.REGISTRY]
     ready = registry.ready()
@@ -266,6 +271,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", readiness)
     app.router.add_get("/readiness", readiness)
+    app.router.add_get("/liveness", liveness)
 
 
 # --- serving ----------------------------------------------------------------------------

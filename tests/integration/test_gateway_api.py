@@ -155,6 +155,9 @@ async def test_health_and_readiness(fleet: SimulatedFleet, client: ClientSession
             async with client.get(gw.url + path) as resp:
                 assert resp.status == 503
                 assert resp.headers["Retry-After"]
+        async with client.get(gw.url + "/liveness") as resp:  # alive without workers
+            assert resp.status == 200
+            assert await resp.json() == {"status": "ok"}
 
 
 async def test_expect_continue_from_the_client(

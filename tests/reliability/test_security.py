@@ -51,7 +51,7 @@ async def test_client_and_admin_keys(
             assert await _status(client, "GET", gw.url + path) == 401, path
             assert await _status(client, "GET", gw.url + path, headers=_bearer(CLIENT)) == 403
             assert await _status(client, "GET", gw.url + path, headers=_bearer(ADMIN)) == 200
-        for path in ("/health", "/readiness", "/metrics"):
+        for path in ("/health", "/readiness", "/liveness", "/metrics"):
             assert await _status(client, "GET", gw.url + path) == 200, path
     logged = "\n".join(r.getMessage() for r in caplog.records)
     for secret in (CLIENT, OTHER, ADMIN, "secret prompt text"):
