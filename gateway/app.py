@@ -180,7 +180,13 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         clock=registry.clock,
     )
     costs = CostModel()
-    slots = SlotGate(index, config.prefix_index.slot_wait_s)
+
+    def seconds_per_block(worker_id: str) -> float | None:
+        if not costs.calibrated(worker_id):
+            return None
+        return (costs.cost(worker_id).prefill_per_token_s or 0.0) * block_tokens
+
+    slots = SlotGate(index, config.prefix_index.slot_wait_s, seconds_per_block=seconds_per_block)
     pool = UpstreamPool(
         config.server.connect_timeout_s,
         max_idle_per_worker=config.server.connections_per_worker,

@@ -140,6 +140,11 @@ class CostModel:
             prefill_pair_s=self._default.prefill_pair_s,
         )
 
+    def calibrated(self, worker_id: str) -> bool:
+        """Whether ``cost(worker_id)`` is fitted to the worker (else it is the default)."""
+        fit = self._fits.get(worker_id)
+        return fit is not None and fit.n >= self._min_observations
+
     def observations(self, worker_id: str) -> int:
         fit = self._fits.get(worker_id)
         return 0 if fit is None else fit.n

@@ -20,7 +20,12 @@ so a burst of siblings is served one after the other from the warm slot), or it 
 ahead after ``max_wait_s`` (then it computes the prefix in another slot, as without the
 gate). Other requests are never held. Waiting is bounded: the gate never adds more than
 ``max_wait_s`` to a request's time to first token, and a waiter's client disconnecting
-removes it at once.
+removes it at once. Once the worker's prefill cost is calibrated (``seconds_per_block``,
+from the gateway's cost model), the bound is also at most twice the estimated time to
+compute the ``busy - idle`` blocks the wait would save: not waiting costs that prefill
+and, on an engine whose slots share its threads, slows the holder by as much (and evicts
+another slot's prompt). A fast engine with long generations (a GPU) thus holds a request
+for milliseconds, not seconds; before calibration ``max_wait_s`` alone applies.
 
 Workers bounded by blocks (SGLang's radix cache shares a prefix between running
 requests) are never held: ``held_sequences`` is None for them.
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,6 +57,7 @@ class Ticket:
     waiting: asyncio.Future[None] | None = None  # set while held
     admitted: bool = False
     waited_s: float = 0.0
+    max_wait_s: float = 0.0  # this request's bound
 
 
 @dataclass(slots=True)
@@ -81,13 +87,24 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def _uncalibrated(worker_id: str) -> float | None:
+    return None
+
+
 class SlotGate:
-    def __init__(self, index: HeldChains, max_wait_s: float, min_share: float = 0.1) -> None:
+    def __init__(
+        self,
+        index: HeldChains,
+        max_wait_s: float,
+        min_share: float = 0.1,
+        seconds_per_block: Callable[[str], float | None] = _uncalibrated,
+    ) -> None:
         if max_wait_s < 0 or not 0 <= min_share <= 1:
             raise ValueError("max_wait_s must be >= 0 and min_share in [0, 1]")
         self._index = index
         self._max_wait_s = max_wait_s
         self._min_share = min_share
+        self._seconds_per_block = seconds_per_block
         self._workers: dict[str, _Worker] = {}
         self.stats = GateStats()
 
@@ -110,7 +127,10 @@ class SlotGate:
         idle = max(
             (_common(c, ticket.chain) for c in held if c and c[-1] not in busy_leaves), default=0
         )
-        if busy - idle >= max(1.0, self._min_share * len(ticket.chain)):
+        gain = busy - idle
+        if gain >= max(1.0, self._min_share * len(ticket.chain)):
+            ticket.max_wait_s = self._bound(worker_id, gain)
+        if ticket.max_wait_s > 0:
             ticket.waiting = asyncio.get_running_loop().create_future()
             state.waiting.append(ticket)
             self.stats.held += 1
@@ -126,7 +146,7 @@ class SlotGate:
         loop = asyncio.get_running_loop()
         start = loop.time()
         try:
-            await asyncio.wait_for(asyncio.shield(future), self._max_wait_s)
+            await asyncio.wait_for(asyncio.shield(future), ticket.max_wait_s)
         except TimeoutError:
             state = self._workers.get(ticket.worker_id)
             if not ticket.admitted and state is not None:
@@ -168,6 +188,12 @@ class SlotGate:
     def waiting(self, worker_id: str) -> int:
         state = self._workers.get(worker_id)
         return 0 if state is None else len(state.waiting)
+
+    def _bound(self, worker_id: str, gain_blocks: int) -> float:
+        per_block = self._seconds_per_block(worker_id)
+        if per_block is None:
+            return self._max_wait_s
+        return min(self._max_wait_s, 2.0 * per_block * gain_blocks)
 
     def _admit(self, state: _Worker, ticket: Ticket) -> None:
         ticket.admitted = True

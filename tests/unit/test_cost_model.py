@@ -24,6 +24,9 @@ def test_defaults_until_enough_observations() -> None:
     feed(cm, "w", 0.01, 40e-6, 5)
     assert cm.cost("w") == DEFAULT_COST
     assert cm.observations("w") == 5
+    assert not cm.calibrated("w") and not cm.calibrated("unknown")
+    feed(cm, "w", 0.01, 40e-6, 3)
+    assert cm.calibrated("w") and cm.cost("w") != DEFAULT_COST
 
 
 def test_custom_default_fills_missing_fields() -> None:

@@ -150,3 +150,25 @@ def test_bad_arguments_are_refused() -> None:
         SlotGate(slot_index(), max_wait_s=-1.0)
     with pytest.raises(ValueError):
         SlotGate(slot_index(), max_wait_s=1.0, min_share=2.0)
+
+
+async def test_a_calibrated_worker_bounds_the_wait_by_the_prefill_it_saves() -> None:
+    index = slot_index()
+    # 1 ms per block: the 20 shared blocks would cost 20 ms to recompute; the wait is held
+    # to twice that, not the 5 s cap
+    gate = SlotGate(index, max_wait_s=5.0, seconds_per_block=lambda w: 1e-3)
+    a = send(gate, index, 1)
+    b = send(gate, index, 2)
+    assert b.max_wait_s == pytest.approx(2 * 20 * 1e-3)
+    waited = await asyncio.wait_for(gate.wait(b), 1.0)
+    assert waited < 1.0 and gate.stats.timed_out == 1
+    gate.leave(a)
+    gate.leave(b)
+    # uncalibrated (None): the configured cap
+    index = slot_index()
+    gate = SlotGate(index, max_wait_s=5.0, seconds_per_block=lambda w: None)
+    a = send(gate, index, 1)
+    b = send(gate, index, 2)
+    assert b.max_wait_s == 5.0
+    gate.leave(b)
+    gate.leave(a)
