@@ -23,7 +23,7 @@ from aiohttp import web
 from gateway import admin, keys, server
 from gateway.admission import Admission
 from gateway.allowlist import HostAllowList
-from gateway.auth import worker_credentials
+from gateway.auth import worker_credentials, worker_key_exposed
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
 from gateway.cost_model import CostModel
 from gateway.debug_api import add_telemetry_routes
@@ -74,6 +74,11 @@ def build_app(
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
 ) -> web.Application:
+    if worker_key_exposed(config.server):
+        raise ConfigError(
+            "server.worker_api_key needs server.admin_api_key: without it any client may "
+            "add a worker (POST /workers) and receive the worker key with its first probe"
+        )
     telemetry = make_telemetry(config)
     # The server's middleware first: it sets the request id telemetry reads.
     app = web.Application(
@@ -247,6 +252,9 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         hooks=TelemetryHooks(telemetry),
         exact=exact,
         slots=slots,
+        credentials=worker_credentials(
+            config.server, gateway_checks_keys=server.make_authenticator(config).enabled
+        ),
     )
     loops = TaskSet()
     if shared is not None:

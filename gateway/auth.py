@@ -15,11 +15,16 @@ Contract:
 - :meth:`Authenticator.check` returns the caller's principal, a short label such as
   ``client-2`` or ``admin`` (never the key), used for rate limits and logs.
 - :class:`WorkerCredentials` decides what a worker sees in place of the client's
-  credentials: with client keys on, the client's ``Authorization`` and ``x-api-key`` are
-  dropped (the client's key is the gateway's secret); with a worker key
-  (:func:`worker_key`), ``Authorization: Bearer <worker key>`` replaces them, on the
-  request path and (:meth:`WorkerCredentials.session_headers`) on the gateway's own calls;
-  with neither, the client's headers pass through (clients that hold the workers' key).
+  credentials (:func:`worker_credentials`): with client keys on, the client's
+  ``Authorization`` and ``x-api-key`` are dropped (a client's key is the gateway's
+  secret); ``Authorization: Bearer <key>`` replaces them, on the request path
+  (``drop`` / ``session_headers`` applied by the router) and on the gateway's own calls,
+  where the key is the worker key (:func:`worker_key`) if one is configured, else
+  ``server.api_key`` (sglang-router sends its one ``--api-key`` to the workers too, so a
+  fleet sharing one key keeps working); with no key at all, the client's headers pass
+  through (clients that hold the workers' key). A worker key of its own needs an admin
+  key (:func:`worker_key_exposed`): else anyone allowed to add a worker could point one
+  at a host of theirs and receive the key with the first probe.
 """
 
 from __future__ import annotations
@@ -162,27 +167,34 @@ def worker_key(
 class WorkerCredentials:
     """What workers get in place of the client's credentials (see the module contract)."""
 
-    __slots__ = ("_authorization", "rewrites")
+    __slots__ = ("_authorization", "drop", "rewrites")
 
     def __init__(self, worker_key: str | None, *, gateway_checks_keys: bool) -> None:
         self._authorization = f"Bearer {worker_key}" if worker_key else None
         # False: the client's headers go to the worker as they came (nothing to do)
         self.rewrites = gateway_checks_keys or self._authorization is not None
+        # client header names (lower case) never forwarded
+        self.drop = CLIENT_CREDENTIALS if self.rewrites else frozenset()
 
     def __repr__(self) -> str:  # never the key
         return f"WorkerCredentials(worker_key={self._authorization is not None})"
 
     def session_headers(self) -> dict[str, str]:
-        """Default headers for the gateway's own requests to workers."""
+        """Headers to add to every request to a worker (the key, if any)."""
         return {"Authorization": self._authorization} if self._authorization else {}
 
     def rewrite(self, headers: Mapping[str, str]) -> CIMultiDict[str]:
         """``headers`` without the client's credentials, with the worker key if any."""
         out: CIMultiDict[str] = CIMultiDict(
-            (k, v) for k, v in headers.items() if k.lower() not in CLIENT_CREDENTIALS
+            (k, v) for k, v in headers.items() if k.lower() not in self.drop
         )
         out.update(self.session_headers())
         return out
+
+
+def _shared_key(server: ServerConfig) -> str | None:
+    key = server.api_key
+    return key.strip() or None if key else None
 
 
 def worker_credentials(
@@ -191,6 +203,17 @@ def worker_credentials(
     gateway_checks_keys: bool = False,
     environ: Mapping[str, str] | None = None,
 ) -> WorkerCredentials:
-    """The configured worker key (``server.worker_api_key`` or its environment variable)."""
-    key = worker_key(server.worker_api_key, server.worker_api_key_env, environ)
-    return WorkerCredentials(key, gateway_checks_keys=gateway_checks_keys)
+    """The worker key (``server.worker_api_key`` or its environment variable), else the
+    gateway's own ``server.api_key`` (see the module contract)."""
+    own = worker_key(server.worker_api_key, server.worker_api_key_env, environ)
+    shared = _shared_key(server)
+    return WorkerCredentials(
+        own or shared, gateway_checks_keys=gateway_checks_keys or shared is not None
+    )
+
+
+def worker_key_exposed(server: ServerConfig, environ: Mapping[str, str] | None = None) -> bool:
+    """A worker key of its own is configured but no admin key guards ``POST /workers``."""
+    own = worker_key(server.worker_api_key, server.worker_api_key_env, environ)
+    admin = (server.admin_api_key or "").strip() or server.admin_api_keys_file
+    return own is not None and not admin

@@ -94,11 +94,19 @@ class Outcome:
 
 
 def upstream_headers(
-    headers: CIMultiDictProxy[str], request_id: str, extra: Mapping[str, str]
+    headers: CIMultiDictProxy[str],
+    request_id: str,
+    extra: Mapping[str, str],
+    drop: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones, with the request id, a JSON content
-    type (and ``extra``) set."""
-    out = [(key, value) for key, value in headers.items() if key.lower() not in _REPLACED]
+    """The client's headers minus hop-by-hop ones and ``drop`` (lower-case names: the
+    client's credentials, see ``gateway.auth.WorkerCredentials``), with the request id, a
+    JSON content type (and ``extra``) set."""
+    out = [
+        (key, value)
+        for key, value in headers.items()
+        if (name := key.lower()) not in _REPLACED and name not in drop
+    ]
     out.append(("x-request-id", request_id))
     # The body parsed as JSON, and SGLang refuses any other type: curl's -d default
     # (form-urlencoded) must not turn a valid request into a worker's 400.

@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway import proxy
+from gateway.auth import WorkerCredentials
 from gateway.config import GatewayConfig
 from gateway.decisions import DecisionLog, DecisionOutcome, DecisionRecord
 from gateway.errors import GatewayError
@@ -157,10 +158,14 @@ class Router:
         hooks: RouterHooks | None = None,
         exact: ExactSource | None = None,
         slots: SlotGate | None = None,
+        credentials: WorkerCredentials | None = None,
     ) -> None:
         self.policy = policy
         self._exact = exact
         self._slots = slots
+        creds = credentials or WorkerCredentials(None, gateway_checks_keys=False)
+        self._drop = creds.drop  # the client's credentials, when they must not go upstream
+        self._worker_auth = creds.session_headers()
         self.registry = registry
         self.decisions = decisions
         self.hooks = hooks or RouterHooks()
@@ -395,7 +400,10 @@ class Router:
     async def _send(
         self, req: RouteRequest, worker: Worker, rid: str, request: web.Request
     ) -> UpstreamResponse:
-        headers = proxy.upstream_headers(request.headers, rid, self.hooks.upstream_headers())
+        extra = self.hooks.upstream_headers()
+        if self._worker_auth:
+            extra = {**extra, **self._worker_auth}
+        headers = proxy.upstream_headers(request.headers, rid, extra, self._drop)
         deadline = asyncio.get_running_loop().time() + self._request_timeout
         aborts = kind_named(worker.kind).abort_path is not None
         body = req.body_with_rid(rid) if aborts else req.body

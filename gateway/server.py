@@ -10,11 +10,11 @@ Contract:
   ``GET /liveness``: 200 while the process serves, whatever the workers (restart probes).
 - The middleware renders every error as OpenAI-style JSON with ``x-request-id``, logs one
   line per error (5xx at WARNING, 4xx at INFO), checks keys (``gateway.auth``: client
-  keys on the API, the admin key on admin routes, probes open unless configured),
-  applies the per-key rate limit (``gateway.ratelimit``, API routes only) and, on the
-  inference routes, swaps the client's credentials for the worker's
-  (``gateway.auth.WorkerCredentials``) before the router forwards the headers. No line
-  is logged per successful request; keys and prompts are never logged.
+  keys on the API, the admin key on admin routes, probes open unless configured) and
+  applies the per-key rate limit (``gateway.ratelimit``, API routes only); the router
+  swaps the client's credentials for the worker's (``gateway.auth.WorkerCredentials``)
+  as it builds the upstream headers. No line is logged per successful request; keys and
+  prompts are never logged.
 - While active probes flag every worker, a well-formed API request gets a fast 503 with
   ``Retry-After`` instead of being tried on each dead worker in turn.
 - The listener passes through ``gateway.connguard`` (connection cap, a deadline for
@@ -38,7 +38,7 @@ import orjson
 from aiohttp import web
 
 from gateway import keys
-from gateway.auth import ANONYMOUS, Authenticator, collect_keys, path_scope, worker_credentials
+from gateway.auth import ANONYMOUS, Authenticator, collect_keys, path_scope
 from gateway.config import GatewayConfig
 from gateway.connguard import NOT_IMPLEMENTED_TYPE, ConnectionGuard, GuardedSite
 from gateway.errors import GatewayError, error_response, render
@@ -75,7 +75,6 @@ def make_middleware(config: GatewayConfig) -> Any:
     auth = make_authenticator(config)
     limiter = RateLimiter(config.server.rate_limit_per_s, config.server.rate_limit_burst)
     guarded = auth.enabled or limiter.enabled  # else the hot path skips both
-    creds = worker_credentials(config.server, gateway_checks_keys=auth.enabled)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -84,9 +83,6 @@ def make_middleware(config: GatewayConfig) -> Any:
         try:
             if guarded:
                 _admit(request, auth, limiter)
-            if creds.rewrites and request.path in API_PATHS:
-                # the router forwards request.headers: give it the worker's credentials
-                request = request.clone(headers=creds.rewrite(request.headers))
             return await handler(request)
         except GatewayError as exc:
             _log_error(request_id, request, exc.status, exc.message)

@@ -8,6 +8,8 @@ The worker is a small aiohttp app that records the credential headers of every r
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,10 +18,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway.config import ConfigError
 from gateway.testing import run_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-CLIENT_KEY, WORKER_KEY = "client-secret-1", "worker-secret-1"
+CLIENT_KEY, WORKER_KEY, ADMIN_KEY = "client-secret-1", "worker-secret-1", "admin-secret-1"
 COMPLETION = {
     "id": "c",
     "object": "chat.completion",
@@ -74,14 +77,45 @@ async def _chat(client: aiohttp.ClientSession, url: str, headers: dict[str, str]
         assert resp.status == 200, await resp.text()
 
 
-async def test_gateway_keys_are_not_forwarded(
+async def test_one_shared_key_goes_to_the_workers_as_sglang_router_does(
     worker: RecordingWorker, client: aiohttp.ClientSession
 ) -> None:
     async with run_gateway([worker.url + "#sglang"], server__api_key=CLIENT_KEY) as gw:
         await _chat(client, gw.url, {"Authorization": f"Bearer {CLIENT_KEY}"})
         await _chat(client, gw.url, {"X-Api-Key": CLIENT_KEY})
+    # the gateway's key, as Authorization only, on requests and on its own calls
+    for path in ("/v1/chat/completions", "/ping"):
+        assert worker.credentials(path) == {(f"Bearer {CLIENT_KEY}", None)}, path
+
+
+async def test_other_client_keys_are_not_forwarded(
+    worker: RecordingWorker, client: aiohttp.ClientSession
+) -> None:
+    async with run_gateway([worker.url + "#sglang"], server__api_keys=[CLIENT_KEY]) as gw:
+        await _chat(client, gw.url, {"Authorization": f"Bearer {CLIENT_KEY}"})
+        await _chat(client, gw.url, {"X-Api-Key": CLIENT_KEY})
     assert worker.credentials("/v1/chat/completions") == {(None, None)}
     assert all(CLIENT_KEY not in str(row) for row in worker.seen)
+
+
+async def test_a_header_that_is_not_utf8_is_forwarded_when_credentials_are_swapped(
+    worker: RecordingWorker,
+) -> None:
+    async with run_gateway([worker.url + "#sglang"], server__api_key=CLIENT_KEY) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps(CHAT).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Authorization: Bearer {CLIENT_KEY}\r\n".encode()
+            + b"X-Foo: \xff\xfe\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10.0)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
 
 
 async def test_worker_key_reaches_every_call(
@@ -89,7 +123,10 @@ async def test_worker_key_reaches_every_call(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     async with run_gateway(
-        [worker.url + "#sglang"], server__api_key=CLIENT_KEY, server__worker_api_key=WORKER_KEY
+        [worker.url + "#sglang"],
+        server__api_key=CLIENT_KEY,
+        server__worker_api_key=WORKER_KEY,
+        server__admin_api_key=ADMIN_KEY,
     ) as gw:
         await _chat(client, gw.url, {"Authorization": f"Bearer {CLIENT_KEY}"})
     expected = {(f"Bearer {WORKER_KEY}", None)}
@@ -104,10 +141,13 @@ async def test_worker_key_from_the_environment_without_client_keys(
 ) -> None:
     monkeypatch.setenv("TEST_WORKER_KEY", WORKER_KEY)
     async with run_gateway(
-        [worker.url + "#sglang"], server__worker_api_key_env="TEST_WORKER_KEY"
+        [worker.url + "#sglang"],
+        server__worker_api_key_env="TEST_WORKER_KEY",
+        server__admin_api_key=ADMIN_KEY,
     ) as gw:
-        # no gateway keys: the client's own credentials are replaced by the worker key
-        await _chat(client, gw.url, {"Authorization": "Bearer mine", "X-Api-Key": "mine"})
+        # no client keys (the admin key, required with a worker key, opens the API too):
+        # the caller's credentials are replaced by the worker key
+        await _chat(client, gw.url, {"Authorization": f"Bearer {ADMIN_KEY}", "X-Api-Key": "m"})
     assert worker.credentials("/v1/chat/completions") == {(f"Bearer {WORKER_KEY}", None)}
     assert worker.credentials("/ping") == {(f"Bearer {WORKER_KEY}", None)}
 
@@ -119,3 +159,16 @@ async def test_without_keys_the_client_header_passes_through(
         await _chat(client, gw.url, {"Authorization": "Bearer direct", "X-Api-Key": "direct"})
     assert worker.credentials("/v1/chat/completions") == {("Bearer direct", "direct")}
     assert worker.credentials("/ping") == {(None, None)}  # the gateway's own calls: none
+
+
+async def test_a_worker_key_without_an_admin_key_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # else any client could add a worker of theirs and receive the key with its first probe
+    with pytest.raises(ConfigError, match="admin_api_key"):
+        async with run_gateway([], server__worker_api_key=WORKER_KEY):
+            pass
+    monkeypatch.setenv("TEST_WORKER_KEY", WORKER_KEY)
+    with pytest.raises(ConfigError, match="admin_api_key"):
+        async with run_gateway([], server__worker_api_key_env="TEST_WORKER_KEY"):
+            pass

@@ -14,6 +14,7 @@ from gateway.auth import (
     path_scope,
     worker_credentials,
     worker_key,
+    worker_key_exposed,
 )
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
@@ -124,3 +125,20 @@ def test_worker_credentials_from_config() -> None:
         "Authorization": "Bearer e"
     }
     assert "secret" not in repr(ServerConfig(worker_api_key="secret"))
+
+
+def test_the_gateway_key_goes_to_workers_unless_they_have_their_own() -> None:
+    shared = worker_credentials(ServerConfig(api_key="k"), environ={})
+    assert shared.session_headers() == {"Authorization": "Bearer k"}
+    assert shared.drop == {"authorization", "x-api-key"}
+    own = worker_credentials(ServerConfig(api_key="k", worker_api_key="w"), environ={})
+    assert own.session_headers() == {"Authorization": "Bearer w"}
+    open_gateway = worker_credentials(ServerConfig(), environ={})
+    assert open_gateway.session_headers() == {} and open_gateway.drop == frozenset()
+
+
+def test_a_worker_key_of_its_own_needs_an_admin_key() -> None:
+    assert worker_key_exposed(ServerConfig(worker_api_key="w"), environ={})
+    assert worker_key_exposed(ServerConfig(worker_api_key_env="WK"), environ={"WK": "w"})
+    assert not worker_key_exposed(ServerConfig(worker_api_key="w", admin_api_key="a"), {})
+    assert not worker_key_exposed(ServerConfig(api_key="k"), environ={})  # the shared key
