@@ -36,8 +36,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from multidict import CIMultiDict
-
 from gateway.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -182,14 +180,6 @@ class WorkerCredentials:
     def session_headers(self) -> dict[str, str]:
         """Headers to add to every request to a worker (the key, if any)."""
         return {"Authorization": self._authorization} if self._authorization else {}
-
-    def rewrite(self, headers: Mapping[str, str]) -> CIMultiDict[str]:
-        """``headers`` without the client's credentials, with the worker key if any."""
-        out: CIMultiDict[str] = CIMultiDict(
-            (k, v) for k, v in headers.items() if k.lower() not in self.drop
-        )
-        out.update(self.session_headers())
-        return out
 
 
 def _shared_key(server: ServerConfig) -> str | None:
