@@ -351,7 +351,12 @@ class Router:
         # before the index records this prompt there: the gate compares it with the chains
         # the worker holds now (a slot-bound worker's, else nothing is held)
         ticket = slots.enter(worker.id, req.block_hashes) if slots is not None else None
-        lease = self._dispatch(req, worker, record, exact)
+        try:
+            lease = self._dispatch(req, worker, record, exact)
+        except BaseException:
+            if slots is not None and ticket is not None:
+                slots.leave(ticket)
+            raise
         upstream: UpstreamResponse | None = None
         extra = {
             "x-request-id": request_id,

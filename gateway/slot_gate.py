@@ -36,6 +36,7 @@ Not thread-safe; one event loop.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class Ticket:
     admitted: bool = False
     waited_s: float = 0.0
     max_wait_s: float = 0.0  # this request's bound
+    need: int = 0  # blocks a finished chain must share with it to hand it the slot
 
 
 @dataclass(slots=True)
@@ -127,9 +129,10 @@ class SlotGate:
         idle = max(
             (_common(c, ticket.chain) for c in held if c and c[-1] not in busy_leaves), default=0
         )
-        gain = busy - idle
-        if gain >= max(1.0, self._min_share * len(ticket.chain)):
+        gain, least = busy - idle, max(1, math.ceil(self._min_share * len(ticket.chain)))
+        if gain >= least:
             ticket.max_wait_s = self._bound(worker_id, gain)
+            ticket.need = idle + least
         if ticket.max_wait_s > 0:
             ticket.waiting = asyncio.get_running_loop().create_future()
             state.waiting.append(ticket)
@@ -146,7 +149,8 @@ class SlotGate:
         loop = asyncio.get_running_loop()
         start = loop.time()
         try:
-            await asyncio.wait_for(asyncio.shield(future), ticket.max_wait_s)
+            async with asyncio.timeout(ticket.max_wait_s):  # a cancel is never swallowed
+                await asyncio.shield(future)
         except TimeoutError:
             state = self._workers.get(ticket.worker_id)
             if not ticket.admitted and state is not None:
@@ -201,11 +205,12 @@ class SlotGate:
 
     def _hand_on(self, state: _Worker, chain: tuple[int, ...]) -> None:
         """Hand the slot that held ``chain`` to the oldest waiter sharing the longest
-        prefix with it."""
+        prefix with it, among those for which it holds enough (``need``): a request that
+        merely opens with the same words frees no slot worth waiting for."""
         best, shared = None, 0
         for t in state.waiting:
             common = _common(t.chain, chain)
-            if common > shared:
+            if common > shared and common >= t.need:
                 best, shared = t, common
         if best is None:
             return

@@ -172,3 +172,23 @@ async def test_a_calibrated_worker_bounds_the_wait_by_the_prefill_it_saves() -> 
     assert b.max_wait_s == 5.0
     gate.leave(b)
     gate.leave(a)
+
+
+async def test_a_request_sharing_only_an_opening_does_not_free_the_slot() -> None:
+    index = slot_index()
+    gate = SlotGate(index, max_wait_s=5.0)
+    a = send(gate, index, 1)  # holds P
+    b = send(gate, index, 2)  # waits for A's slot
+    assert b.waiting is not None
+    other = (P[0], 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910)  # P's first block
+    r = gate.enter("w", other)
+    assert r.waiting is None  # below min_share of it: never held
+    task = asyncio.create_task(gate.wait(b))
+    await asyncio.sleep(0)
+    gate.leave(r)  # finishes: its slot holds nothing B can use
+    await asyncio.sleep(0.01)
+    assert not task.done() and gate.stats.handed == 0
+    gate.leave(a)
+    await asyncio.wait_for(task, 1.0)
+    assert gate.stats.handed == 1
+    gate.leave(b)
