@@ -139,7 +139,8 @@ class _Guarded(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._inner is None:
             return
-        if self._timer is None and self._waiting_for_request():
+        waiting = self._waiting_for_request()
+        if self._timer is None and waiting:
             self._start_head_deadline()  # a kept-alive connection's next request begins
         if self._timer is not None:
             if _HEAD_END in self._tail + data:
@@ -148,6 +149,11 @@ class _Guarded(asyncio.Protocol):
             else:
                 self._tail = (self._tail + data)[-3:]
         self._inner.data_received(data)
+        if self._timer is not None and waiting and not self._waiting_for_request():
+            # aiohttp got a whole head the scan did not see end here (its start arrived
+            # with the previous request): this deadline is met, not left for an idle time
+            self._timer.cancel()
+            self._timer = None
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received() if self._inner is not None else None

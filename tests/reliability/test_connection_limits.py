@@ -115,6 +115,24 @@ async def test_slow_second_head_on_a_kept_alive_connection_is_cut_off(
     writer.close()
 
 
+async def test_a_head_split_across_a_pipelined_request_leaves_no_deadline_behind(
+    guarded: tuple[ConnectionGuard, int],
+) -> None:
+    guard, port = guarded  # header_timeout_s=0.5
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    # the first request whole and the second's head but its last byte, in one write
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r")
+    assert (await _response(reader)).startswith(b"HTTP/1.1 200")
+    await asyncio.sleep(0.05)
+    writer.write(b"\n")
+    assert (await _response(reader)).startswith(b"HTTP/1.1 200")
+    await asyncio.sleep(1.0)  # idle for twice the head deadline: kept alive, no 408
+    assert not reader.at_eof() and guard.timed_out == 0
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await _response(reader)).startswith(b"HTTP/1.1 200")
+    writer.close()
+
+
 async def test_a_handler_crash_is_a_json_500(guarded: tuple[ConnectionGuard, int]) -> None:
     _, port = guarded
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
