@@ -11,14 +11,14 @@ The shapes are those docs/REAL_ENGINE.md records of llama.cpp's server (xllamacp
   ``GET /slots`` (``?fail_on_no_slot=1``: 503 when no slot is idle); ``GET /metrics``
   (``llamacpp:*``, with ``enable_metrics``); ``GET /v1/models`` (``owned_by: llamacpp``);
   ``POST /tokenize`` and ``/apply-template``;
-* ``POST /v1/chat/completions`` streamed or not, and the native ``POST /completion``: a
-  prompt longer than a slot is a 400 ``exceed_context_size_error``; the answer names the
-  alias whatever ``model`` the request gave; ``usage.prompt_tokens_details.cached_tokens``
-  and ``timings`` (``cache_n``, ``prompt_n``, ``prompt_ms``…, in modelled time;
-  ``prompt_ms`` counts from arrival, so it includes a wait for a slot) on the plain
-  answer, on the stream's finish chunk and on its ``include_usage`` chunk. A stream starts
-  after prefill: the first event is ``delta: {"role": "assistant", "content": null}``,
-  then the content deltas.
+* ``POST /v1/chat/completions`` and ``/v1/completions`` streamed or not, and the native
+  ``POST /completion``: a prompt longer than a slot is a 400
+  ``exceed_context_size_error``; the answer names the alias whatever ``model`` the
+  request gave; ``usage.prompt_tokens_details.cached_tokens`` and ``timings``
+  (``cache_n``, ``prompt_n``, ``prompt_ms``…, in modelled time; ``prompt_ms`` counts from
+  arrival, so it includes a wait for a slot) on the plain answer, on the stream's finish
+  chunk and on its ``include_usage`` chunk. A chat stream starts after prefill: the first
+  event is ``delta: {"role": "assistant", "content": null}``, then the content deltas.
 * No ``rid`` and no abort endpoint: closing the connection of a *streamed* request frees
   its slot; a plain request runs to its end even if its client left. After a streamed
   response the connection is closed (the real server does it without saying so; here it
@@ -111,6 +111,8 @@ class LlamaCppWorker(HttpWorker):
             ("/v1/chat/completions", post, self._inference(self._chat, openai=False)),
             ("/chat/completions", post, self._inference(self._chat, openai=False)),
             ("/completion", post, self._inference(self._completion, openai=False)),
+            ("/v1/completions", post, self._inference(self._text_completion, openai=False)),
+            ("/completions", post, self._inference(self._text_completion, openai=False)),
             ("/tokenize", post, self._tokenize),
             ("/apply-template", post, self._apply_template),
             ("/_sim/faults", ("GET", "POST"), self._sim_faults),
@@ -265,21 +267,63 @@ class LlamaCppWorker(HttpWorker):
         }
         return json_response(answer)
 
+    def _prompt(self, body: dict[str, Any]) -> list[int]:
+        """``prompt`` as a string or a list of token ids."""
+        prompt_value = body.get("prompt")
+        if isinstance(prompt_value, str):
+            return self.tokenizer.encode(prompt_value)
+        if isinstance(prompt_value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt_value
+        ):
+            return list(prompt_value)
+        raise llama_error(
+            400, "'prompt' must be a string or a list of tokens", "invalid_request_error"
+        )
+
+    async def _text_completion(
+        self, request: web.BaseRequest, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        """OpenAI's ``/v1/completions`` (llama.cpp's oaicompat form of ``/completion``)."""
+        req = self._sim_request(body, self._prompt(body), "max_tokens", "n_predict")
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        head = {
+            "created": int(time.time()),
+            "id": "cmpl-" + secrets.token_hex(16),
+            "model": self.model,
+            "system_fingerprint": BUILD_INFO,
+            "object": "text_completion",
+        }
+
+        def chunk(text: str, finish: str | None = None) -> dict[str, Any]:
+            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+            return {"choices": [choice], **head}
+
+        def last_events(handle: RequestHandle) -> list[dict[str, Any]]:
+            timings = self._timings(handle)
+            events = [{**chunk("", self._finish_reason(handle.finish)), "timings": timings}]
+            if include_usage:
+                usage = {"usage": self._usage(handle), "timings": timings}
+                events.append({"choices": [], **head, **usage})
+            return events
+
+        if req.stream:
+            return await self._stream(
+                request, req, lambda h: [], lambda h, text: chunk(text), last_events
+            )
+        handle, _ = await self._run_plain(req)
+        text = self._text(handle, 0, handle.completion_tokens)
+        answer = {
+            **chunk(text, self._finish_reason(handle.finish)),
+            "usage": self._usage(handle),
+            "timings": self._timings(handle),
+        }
+        return json_response(answer)
+
     async def _completion(
         self, request: web.BaseRequest, body: dict[str, Any]
     ) -> web.StreamResponse:
-        prompt_value = body.get("prompt")
-        if isinstance(prompt_value, str):
-            prompt = self.tokenizer.encode(prompt_value)
-        elif isinstance(prompt_value, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt_value
-        ):
-            prompt = list(prompt_value)
-        else:
-            raise llama_error(
-                400, "'prompt' must be a string or a list of tokens", "invalid_request_error"
-            )
-        req = self._sim_request(body, prompt, "n_predict", "max_tokens")
+        req = self._sim_request(body, self._prompt(body), "n_predict", "max_tokens")
 
         def event(
             handle: RequestHandle, text: str, stop: bool, slot: int | None = None

@@ -184,7 +184,9 @@ class SlotWorkerModel:
         """The model of one worker configured by ``config`` (``engine="llamacpp"``)."""
         profile = config.resolved_profile()
         context = config.context_length or profile.context_length
-        return cls(profile=profile, slots=config.slots, n_ctx=context // config.slots)
+        return cls(
+            profile=profile, slots=config.slots, n_ctx=context // config.slots, seed=config.seed
+        )
 
     def __post_init__(self) -> None:
         if self.slots < 1:

@@ -153,6 +153,40 @@ async def test_chat_stream_shapes_and_usage_chunk(
     assert evs[-2]["timings"]["cache_n"] == prompt - 1  # the finish chunk
 
 
+async def test_openai_text_completions_plain_and_streamed(
+    llama: SimulatedFleet, client: aiohttp.ClientSession
+) -> None:
+    url = llama.urls[0] + "/v1/completions"
+    body = {"model": "m", "prompt": SYSTEM, "max_tokens": 3}
+    async with client.post(url, json=body) as resp:
+        assert resp.status == 200 and resp.headers["Server"] == "llama.cpp"
+        plain = await resp.json()
+    assert plain["object"] == "text_completion" and plain["choices"][0]["text"]
+    assert plain["choices"][0]["finish_reason"] == "length"
+    prompt = plain["usage"]["prompt_tokens"]
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.post(url, json=stream) as resp:
+        evs = events(await resp.read())
+    assert all(e["object"] == "text_completion" for e in evs)
+    texts = [e["choices"][0]["text"] for e in evs[:-2]]
+    assert len(texts) == 3 and all(texts)
+    assert evs[-2]["choices"][0]["finish_reason"] == "length"
+    assert evs[-1]["choices"] == []  # the usage chunk: the repeat is cached
+    assert evs[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+    assert evs[-1]["timings"]["cache_n"] == prompt - 1
+
+
+async def test_seed_changes_the_text(client: aiohttp.ClientSession) -> None:
+    texts = []
+    for seed in (1, 2):
+        async with await SimulatedFleet.start(1, config(seed=seed)) as fleet:
+            body = chat("q", max_tokens=8)
+            async with client.post(fleet.urls[0] + "/v1/chat/completions", json=body) as resp:
+                texts.append((await resp.json())["choices"][0]["message"]["content"])
+    assert texts[0] != texts[1]
+
+
 async def test_prompt_longer_than_a_slot_is_a_400(client: aiohttp.ClientSession) -> None:
     async with await SimulatedFleet.start(1, config(context_length=400)) as fleet:
         url = fleet.urls[0] + "/v1/chat/completions"
