@@ -50,7 +50,10 @@ about 20 s against a cache turnover of about 30 s, so ageing blocks from dispatc
 dropped prefixes still locked on the worker. Bounds: pinned blocks count toward the
 capacity; when pins alone exceed it (more in flight than the pool can lock, i.e. queued
 requests) the oldest recordings are released first; a recording never released (an
-error without usage, a peer gateway's recording) expires after ``pin_ttl_s``.
+error without usage) expires after ``pin_ttl_s``, and beyond ``_MAX_INFLIGHT`` recordings
+per worker the oldest is released at once (each holds its block list: the bound on their
+memory). A peer gateway's recordings are not pinned (``record(..., pin=False)``): this
+index never hears when they end.
 Sequence-bounded workers are not pinned.
 
 Recording order and invariant: a prompt's blocks are touched deepest first, so its first
@@ -93,6 +96,9 @@ _MAX_FRESH = 4096
 # A chain takes over a held one sharing more than this share of its blocks (llama.cpp's
 # default slot_prompt_similarity).
 _REUSE_SHARE = 0.1
+# Bound on in-flight recordings per worker (each holds its block list): far above what one
+# worker runs at once; past it the oldest is released, whatever its age.
+_MAX_INFLIGHT = 4096
 # A recording not released by ``correct`` within this many seconds stops pinning its blocks
 # (a response that never reported, e.g. an error, or a peer gateway's recording).
 DEFAULT_PIN_TTL_S = 300.0
@@ -250,15 +256,24 @@ class PrefixIndex:
             alive, pos = remaining, end + 1
         return result
 
-    def record(self, block_hashes: Sequence[int], worker_id: str, now: float | None = None) -> None:
-        """Believe ``worker_id`` holds these blocks (called at dispatch); refresh its LRU."""
+    def record(
+        self,
+        block_hashes: Sequence[int],
+        worker_id: str,
+        now: float | None = None,
+        *,
+        pin: bool = True,
+    ) -> None:
+        """Believe ``worker_id`` holds these blocks (called at dispatch); refresh its LRU.
+        ``pin=False`` for a recording whose end this index will never hear of (a peer
+        gateway's, a snapshot's): its blocks go straight into the LRU."""
         if not block_hashes:
             return
         state = self._state(worker_id)
         t = self._clock() if now is None else now
         lru, holders, bit = state.lru, self._holders, state.bit
         first_new: int | None = None
-        if state.max_sequences is None:
+        if state.max_sequences is None and pin:
             # pinned until ``correct`` releases this recording (see "Pins"); deepest block
             # first, so the chain's first new block is the shallowest
             pins = state.pins
@@ -370,7 +385,9 @@ class PrefixIndex:
 
     def _expire_pins(self, state: _WorkerBlocks, now: float) -> None:
         inflight, horizon = state.inflight, now - self._pin_ttl_s
-        while inflight and next(iter(inflight.values()))[1] < horizon:
+        while inflight and (
+            len(inflight) > _MAX_INFLIGHT or next(iter(inflight.values()))[1] < horizon
+        ):
             self._release(state, next(iter(inflight)), None)
 
     def _clear(self, h: int, bit: int) -> None:

@@ -52,6 +52,10 @@ class LocalIndex(PrefixMatcher, Protocol):
     """The local prefix index, as ``gateway.prefix_index.PrefixIndex`` offers it: what the
     router needs of it, plus what replication reads."""
 
+    def record(
+        self, block_hashes: Sequence[int], worker_id: str, now: float | None = None, *,
+        pin: bool = True,
+    ) -> None: ...  # fmt: skip
     def workers(self) -> list[str]: ...
     def blocks(self, worker_id: str) -> Sequence[int]: ...
 
@@ -76,8 +80,9 @@ class ReplicatingIndex:
             self._shared.record(block_hashes, worker_id)
 
     def apply(self, block_hashes: Sequence[int], worker_id: str) -> None:
-        """A peer's recording: local only, never sent back out."""
-        self._index.record(block_hashes, worker_id)
+        """A peer's recording: local only, never sent back out, and not pinned (its end
+        is never heard of here: a pin would hold its block list for ``pin_ttl_s``)."""
+        self._index.record(block_hashes, worker_id, pin=False)
 
     def correct(
         self,

@@ -297,3 +297,28 @@ def test_release_unpins_a_recording_without_a_report() -> None:
     index.release("w", chain, now=1.0)
     assert not state.inflight and not state.pins
     assert index.match(chain) == {"w": 10}  # still believed held, now evictable
+
+
+def test_a_recording_without_an_end_is_not_pinned() -> None:
+    """A peer gateway's recording: believed held, evictable, holding no block list."""
+    index = PrefixIndex(block_tokens=16.0, default_capacity_blocks=100)
+    chain = list(range(1, 11))
+    index.record(chain, "w", now=0.0, pin=False)
+    state = index._workers["w"]
+    assert not state.inflight and not state.pins
+    assert index.match(chain) == {"w": 10}
+    index.record(list(range(100, 195)), "w", now=1.0, pin=False)  # 105 blocks held: over
+    assert index.match(chain) == {"w": 5}  # the older chain lost its 5 deepest blocks
+
+
+def test_in_flight_recordings_are_bounded_per_worker() -> None:
+    """Every recording shares its blocks (one hot prompt): pins stay small, but each
+    in-flight recording holds a block list, so their number is bounded."""
+    from gateway import prefix_index
+
+    index = PrefixIndex(block_tokens=16.0, default_capacity_blocks=100_000)
+    for i in range(prefix_index._MAX_INFLIGHT + 50):
+        index.record([1, 2, 3, 10_000 + i], "w", now=float(i) * 1e-3)
+    state = index._workers["w"]
+    assert len(state.inflight) == prefix_index._MAX_INFLIGHT
+    assert index.match([1, 2, 3]) == {"w": 3}
