@@ -70,6 +70,30 @@ class Profile:
         return replace(self, **overrides)
 
 
+_TINY_CPU = Profile(
+    name="tiny-cpu",
+    description=(
+        "a tiny model on a CPU (like REAL_ENGINE.md's llama.cpp setup): ≈0.5 ms per "
+        "prompt token, 20 ms decode steps, 16k KV tokens"
+    ),
+    prefill_fixed_s=2e-3,
+    prefill_per_token_s=0.5e-3,
+    attention_per_pair_s=20e-9,
+    decode_floor_s=20e-3,
+    decode_per_request_s=2e-3,
+    decode_per_context_token_s=0.5e-6,
+    decode_overhead_s=1e-3,
+    chunked_prefill_size=2048,
+    max_prefill_tokens=4096,
+    capacity_tokens=16_384,
+    context_length=8192,
+    kv_bytes_per_token=8192,
+    weight_gb=0.03,
+    graph_gb=0.0,
+    accelerator="CPU",
+    gpu_memory_gb=0.0,
+)
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
@@ -84,30 +108,8 @@ PROFILES: dict[str, Profile] = {
             accelerator="NVIDIA H200",
             gpu_memory_gb=139.8,
         ),
-        Profile(
-            name="tiny-cpu",
-            description=(
-                "a tiny model on a CPU (like REAL_ENGINE.md's llama.cpp setup): ≈0.5 ms per "
-                "prompt token, 20 ms decode steps, 16k KV tokens"
-            ),
-            prefill_fixed_s=2e-3,
-            prefill_per_token_s=0.5e-3,
-            attention_per_pair_s=20e-9,
-            decode_floor_s=20e-3,
-            decode_per_request_s=2e-3,
-            decode_per_context_token_s=0.5e-6,
-            decode_overhead_s=1e-3,
-            chunked_prefill_size=2048,
-            max_prefill_tokens=4096,
-            capacity_tokens=16_384,
-            context_length=8192,
-            kv_bytes_per_token=8192,
-            weight_gb=0.03,
-            graph_gb=0.0,
-            accelerator="CPU",
-            gpu_memory_gb=0.0,
-        ),
-        Profile(
+        _TINY_CPU,
+        _TINY_CPU.with_overrides(
             name="tiny-llamacpp",
             description=(
                 "the project's tiny generated model on llama.cpp, 1 thread on this machine "
@@ -121,7 +123,6 @@ PROFILES: dict[str, Profile] = {
             # fixed 2 ms, 0.49 ms per new token, 332 ns per attention pair solve the first
             # two and give ~4 ms + a decode step for the third: with a model this narrow,
             # attention over the context costs as much as the matmuls.
-            prefill_fixed_s=2e-3,
             prefill_per_token_s=0.49e-3,
             attention_per_pair_s=332e-9,
             # decode 1-10 ms per token (REAL_ENGINE.md), growing with the context
@@ -129,15 +130,8 @@ PROFILES: dict[str, Profile] = {
             decode_per_request_s=0.5e-3,
             decode_per_context_token_s=332e-9,
             decode_overhead_s=0.5e-3,
-            chunked_prefill_size=2048,
             max_prefill_tokens=2048,
             capacity_tokens=8192,
-            context_length=8192,
-            kv_bytes_per_token=8192,
-            weight_gb=0.03,
-            graph_gb=0.0,
-            accelerator="CPU",
-            gpu_memory_gb=0.0,
         ),
     )
 }
