@@ -117,6 +117,7 @@ def test_policy_args_parsed_as_yaml() -> None:
         (["--policy-arg", "unknown_param=1"], "policy.params"),
         (["--cache-threshold", "2"], "policy.cache_threshold"),
         (["--queue-size", "-3"], "admission.queue_size"),
+        (["--slot-wait-secs", "-1"], "--slot-wait-secs"),
     ],
 )
 def test_invalid_values_name_the_key(argv: list[str], named: str) -> None:
