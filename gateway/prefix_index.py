@@ -99,8 +99,8 @@ _REUSE_SHARE = 0.1
 # Bound on in-flight recordings per worker (each holds its block list): far above what one
 # worker runs at once; past it the oldest is released, whatever its age.
 _MAX_INFLIGHT = 4096
-# A recording not released by ``correct`` within this many seconds stops pinning its blocks
-# (a response that never reported, e.g. an error, or a peer gateway's recording).
+# A recording not released by ``correct`` or ``release`` within this many seconds stops
+# pinning its blocks (a response whose end was never reported, e.g. a lost task).
 DEFAULT_PIN_TTL_S = 300.0
 
 
