@@ -3,7 +3,9 @@
 Contract: ``async with run_gateway(urls, **overrides) as gw`` builds the real application
 (``gateway.app.build_app``) with ``TEST_DEFAULTS`` plus ``overrides`` (dotted config keys,
 ``__`` standing for ``.``), serves it on an ephemeral loopback port, waits until the given
-workers passed their first probe (bounded), and stops it on exit. ``sim_faults`` and
+workers passed their first probe (bounded), and stops it on exit. ``BackgroundGateway``
+runs one in front of simulated workers on its own loop in a thread, for synchronous
+clients (``with BackgroundGateway(**overrides) as gw: gw.url``). ``sim_faults`` and
 ``sim_stats`` speak the simulated worker's ``/_sim`` control API.
 """
 
@@ -11,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 from aiohttp import web
@@ -91,3 +94,47 @@ async def sim_stats(session: aiohttp.ClientSession, worker_url: str) -> dict[str
         resp.raise_for_status()
         stats: dict[str, Any] = await resp.json()
         return stats
+
+
+class BackgroundGateway:
+    """A gateway in front of ``workers`` simulated workers (at ``speed``), on an event loop
+    of its own in a daemon thread: for synchronous clients (``http.client``,
+    schemathesis). ``url`` is set once entered; ``overrides`` as for ``run_gateway``."""
+
+    def __init__(self, workers: int = 1, speed: float = 200.0, **overrides: Any) -> None:
+        self.url = ""
+        self._workers, self._speed, self._overrides = workers, speed, overrides
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def _run(self) -> None:
+        self._loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        from simulator.fleet import SimConfig, SimulatedFleet  # the simulator: tests only
+
+        self._stop = asyncio.Event()
+        async with (
+            await SimulatedFleet.start(self._workers, SimConfig(speed=self._speed)) as fleet,
+            run_gateway(fleet.urls, **self._overrides) as gw,
+        ):
+            self.url = gw.url
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        assert self._ready.wait(20), "the gateway did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(20)
+        self._loop.close()

@@ -8,8 +8,6 @@ number of cases tried is printed at the end (``pytest -s``).
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -23,52 +21,17 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 
 from gateway.openapi import build_spec  # noqa: E402
+from gateway.testing import BackgroundGateway  # noqa: E402
 
 SCHEMA = schemathesis.openapi.from_dict(build_spec())
 TRIED = {"cases": 0}
 
 
-class _Live:
-    def __init__(self) -> None:
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        self._loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
-        from gateway.testing import run_gateway
-        from simulator.fleet import SimConfig, SimulatedFleet
-
-        self._stop = asyncio.Event()
-        async with (
-            await SimulatedFleet.start(1, SimConfig(speed=200.0)) as fleet,
-            # generated cases must not register workers (dead ones would turn later
-            # cases into 502s): every host is outside this allow-list, so adds get 403
-            run_gateway(fleet.urls, server__worker_allowlist=["allowed.invalid"]) as gw,
-        ):
-            self.url = gw.url
-            self._ready.set()
-            await self._stop.wait()
-
-    def __enter__(self) -> _Live:
-        self._thread.start()
-        assert self._ready.wait(20), "the gateway did not start"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(20)
-        self._loop.close()
-
-
 @pytest.fixture(scope="module")
-def live() -> Iterator[_Live]:
-    with _Live() as gw:
+def live() -> Iterator[BackgroundGateway]:
+    # generated cases must not register workers (dead ones would turn later cases into
+    # 502s): every host is outside this allow-list, so adds get 403
+    with BackgroundGateway(server__worker_allowlist=["allowed.invalid"]) as gw:
         yield gw
     print(f"\nschemathesis: {TRIED['cases']} cases tried against the gateway")
 
@@ -80,7 +43,7 @@ def live() -> Iterator[_Live]:
     suppress_health_check=list(HealthCheck),
     database=None,
 )
-def test_api_conforms(case: object, live: _Live) -> None:
+def test_api_conforms(case: object, live: BackgroundGateway) -> None:
     TRIED["cases"] += 1
     response = case.call(base_url=live.url, timeout=30)  # type: ignore[attr-defined]
     assert response.status_code < 500, (case, response.status_code, response.text[:300])

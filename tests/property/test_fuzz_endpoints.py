@@ -10,16 +10,16 @@ modest (the machine is shared); each test prints how many cases it tried.
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from gateway.testing import BackgroundGateway
 
 MAX_BODY = 64 * 1024
 POST_PATHS = (
@@ -49,47 +49,15 @@ FUZZ = settings(
 )
 
 
-class LiveGateway:
-    """A gateway (and one simulated worker) on a loop in a background thread."""
+class LiveGateway(BackgroundGateway):
+    """The background gateway, sending exact bytes and counting what it sent."""
 
     def __init__(self) -> None:
-        self.port = 0
+        super().__init__(
+            server__max_payload_size=MAX_BODY,
+            server__worker_allowlist=["allowed.invalid"],  # fuzzed adds never register
+        )
         self.tried = 0
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        self._loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
-        from gateway.testing import run_gateway
-        from simulator.fleet import SimConfig, SimulatedFleet
-
-        self._stop = asyncio.Event()
-        async with (
-            await SimulatedFleet.start(1, SimConfig(speed=200.0)) as fleet,
-            run_gateway(
-                fleet.urls,
-                server__max_payload_size=MAX_BODY,
-                server__worker_allowlist=["allowed.invalid"],  # fuzzed adds never register
-            ) as gw,
-        ):
-            self.port = int(gw.url.rsplit(":", 1)[1])
-            self._ready.set()
-            await self._stop.wait()
-
-    def __enter__(self) -> LiveGateway:
-        self._thread.start()
-        assert self._ready.wait(20), "the gateway did not start"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(20)
-        self._loop.close()
 
     def send(
         self, method: str, path: str, body: bytes, headers: dict[str, str]
