@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -139,21 +141,26 @@ async def measure(args: argparse.Namespace, gw_pid: int, workers: list[str], gpo
     return 0 if not tally.errors and tally.finished == args.clients else 1
 
 
-def run(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def fleet_and_gateway(
+    workers: int, speed: float, gateway_args: Sequence[str]
+) -> Iterator[tuple[int, list[str], int]]:
+    """Simulated workers in one process and the gateway in another, on loopback; yields
+    (gateway pid, worker URLs, gateway port) and stops both by PID."""
     wport, gport = free_port(), free_port()
-    workers = [f"http://127.0.0.1:{wport + i}" for i in range(args.workers)]
+    urls = [f"http://127.0.0.1:{wport + i}" for i in range(workers)]
     sim = subprocess.Popen(
-        [sys.executable, "-m", "simulator", "--workers", str(args.workers), "--base-port",
-         str(wport), "--speed", str(args.speed)],
+        [sys.executable, "-m", "simulator", "--workers", str(workers), "--base-port",
+         str(wport), "--speed", str(speed)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     gw = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--port", str(gport), "--policy", "least_load",
-         "--log-level", "warning", "--worker-urls", *workers],
+        [sys.executable, "-m", "gateway", "--port", str(gport), "--log-level", "warning",
+         *gateway_args, "--worker-urls", *urls],
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        return asyncio.run(measure(args, gw.pid, workers, gport))
+        yield gw.pid, urls, gport
     finally:
         for proc in (gw, sim):
             proc.terminate()
@@ -161,6 +168,15 @@ def run(args: argparse.Namespace) -> int:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def run(args: argparse.Namespace) -> int:
+    with fleet_and_gateway(args.workers, args.speed, ["--policy", "least_load"]) as (
+        pid,
+        workers,
+        gport,
+    ):
+        return asyncio.run(measure(args, pid, workers, gport))
 
 
 def main() -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -24,7 +23,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from loadtests.connections_bench import free_port, open_fds, rss_mib, wait_ready
+from loadtests.connections_bench import fleet_and_gateway, open_fds, rss_mib, wait_ready
 
 
 @dataclass
@@ -113,27 +112,9 @@ async def measure(args: argparse.Namespace, gw_pid: int, workers: list[str], bas
 
 
 def run(args: argparse.Namespace) -> int:
-    wport, gport = free_port(), free_port()
-    workers = [f"http://127.0.0.1:{wport + i}" for i in range(args.workers)]
-    sim = subprocess.Popen(
-        [sys.executable, "-m", "simulator", "--workers", str(args.workers), "--base-port",
-         str(wport), "--speed", "20"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    gw = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--port", str(gport), "--policy", "min_ttft",
-         "--log-level", "warning", "--health-check-endpoint", "/ping", "--worker-urls", *workers],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        return asyncio.run(measure(args, gw.pid, workers, f"http://127.0.0.1:{gport}"))
-    finally:
-        for proc in (gw, sim):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    gateway_args = ["--policy", "min_ttft", "--health-check-endpoint", "/ping"]
+    with fleet_and_gateway(args.workers, 20.0, gateway_args) as (pid, workers, gport):
+        return asyncio.run(measure(args, pid, workers, f"http://127.0.0.1:{gport}"))
 
 
 def main() -> int:
