@@ -29,7 +29,7 @@ from gateway.cost_model import CostModel
 from gateway.debug_api import add_telemetry_routes
 from gateway.decisions import DecisionLog
 from gateway.health import HealthChecker
-from gateway.kv_events import KVEventsManager, KVEventsSettings
+from gateway.kv_events import KVEventsManager
 from gateway.load import LoadPoller
 from gateway.openapi import add_openapi_route
 from gateway.outlier import OutlierDetector
@@ -152,19 +152,8 @@ def make_kv_events(
     k = config.kv_events
     if not k.enabled:
         return None
-    settings = KVEventsSettings(
-        enabled=True,
-        tokenizer=k.tokenizer,
-        stale_timeout_s=k.stale_timeout_s,
-        replay_timeout_s=k.replay_timeout_s,
-        discovery_interval_s=k.discovery_interval_s,
-        hybrid=k.hybrid,
-        ttl_factor=k.ttl_factor,
-        ttl_min_s=k.ttl_min_s,
-        ttl_max_s=k.ttl_max_s,
-    )
     return KVEventsManager(
-        settings,
+        k,
         load_tokenizer(k.tokenizer),
         lambda: [(w.id, w.url) for w in registry if w.kind == "sglang"],
         session,

@@ -55,6 +55,7 @@ import zmq
 import zmq.asyncio
 from xxhash import xxh3_64_intdigest
 
+from gateway.config import KVEventsConfig
 from gateway.tokenizer_local import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -430,21 +431,9 @@ class RankFeed:
 
 
 # ---------------------------------------------------------------------- manager
-@dataclass(slots=True)
-class KVEventsSettings:
-    """The ``kv_events:`` config section (defaults and their reasons inline)."""
-
-    enabled: bool = False
-    tokenizer: str = "sim"
-    # a request dispatched to an exact-mode worker must be followed by an event this soon
-    stale_timeout_s: float = 5.0
-    replay_timeout_s: float = 1.0
-    # how often /server_info is re-read (new workers, restarts seen as a new startup_time)
-    discovery_interval_s: float = 2.0
-    hybrid: bool = True
-    ttl_factor: float = 3.0
-    ttl_min_s: float = 0.2
-    ttl_max_s: float = 10.0
+# The ``kv_events:`` config section, as the manager takes it (defaults and their reasons
+# in gateway/config.py).
+KVEventsSettings = KVEventsConfig
 
 
 @dataclass(slots=True)
