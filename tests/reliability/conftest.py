@@ -1,32 +1,12 @@
-"""Fault-injection fixtures: three simulated workers in-process, a client session, and
-helpers that wait on a condition with a wide, bounded margin (the machine is shared)."""
+"""Fault-injection helpers that wait on a condition with a wide, bounded margin (the
+machine is shared); the fleet and client fixtures are tests/conftest.py's."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
-import aiohttp
 import pytest
-
-if TYPE_CHECKING:
-    from simulator.fleet import SimulatedFleet
-
-
-@pytest.fixture
-async def fleet() -> AsyncIterator[SimulatedFleet]:
-    from simulator.fleet import SimConfig, SimulatedFleet
-
-    async with await SimulatedFleet.start(3, SimConfig(speed=50.0)) as f:
-        yield f
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
 
 Check = Callable[[], bool | Awaitable[bool]]
 Eventually = Callable[..., Awaitable[None]]
