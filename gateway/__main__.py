@@ -88,7 +88,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--worker-api-key": (
         "server.worker_api_key",
-        {"help": "key sent to every worker as Authorization: Bearer KEY (none)"},
+        {
+            "help": "key sent to every worker as Authorization: Bearer KEY (default: "
+            "--api-key's; needs --admin-api-key)"
+        },
     ),
     "--worker-allowlist": (
         "server.worker_allowlist",
