@@ -31,11 +31,11 @@ lint: install
 	$(PY) -m mypy
 
 demo: install
-	$(PY) -m gateway.demo --config config/demo.yaml
+	$(PY) -m loadtests.demo --config config/demo.yaml
 
 # The gateway in front of real llama.cpp servers (a tiny model generated on first use).
 demo-real: install
-	$(PY) -m loadtests.engine.demo
+	$(PY) -m loadtests.engine.real_demo
 
 bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"

@@ -1,7 +1,7 @@
 """The composition root: builds every component from the config and wires them together.
 
 Contract: :func:`build_app` returns an ``aiohttp`` application whose components are
-reachable only through the typed keys of ``gateway.keys``. Components without I/O are
+reachable only through the typed keys of ``gateway.app_keys``. Components without I/O are
 built at once; the client session and everything that uses it are built at startup in a
 ``cleanup_ctx`` and torn down at shutdown in reverse order (loops cancelled, pending
 aborts cancelled, session closed). This module and ``policies.registry`` are the only ones
@@ -20,32 +20,33 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway import admin, keys, server
-from gateway.admission import Admission
-from gateway.allowlist import HostAllowList
-from gateway.auth import worker_credentials, worker_key_exposed
+from gateway import app_keys
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
-from gateway.cost_model import CostModel
-from gateway.debug_api import add_telemetry_routes
-from gateway.decisions import DecisionLog
-from gateway.health import HealthChecker
-from gateway.kv_events import KVEventsManager
-from gateway.load import LoadPoller
-from gateway.openapi import add_openapi_route
-from gateway.outlier import OutlierDetector
-from gateway.prefix_index import PrefixIndex
-from gateway.registry import Worker, WorkerRegistry
-from gateway.request import RequestSettings
-from gateway.router import Router
-from gateway.shared_adapters import wire_shared_state
-from gateway.slot_gate import SlotGate
+from gateway.exact.kv_events import KVEventsManager
+from gateway.exact.tokenizer import load_tokenizer
+from gateway.forward.upstream import UpstreamPool
+from gateway.http import admin, handlers
+from gateway.http.admission import Admission
+from gateway.http.auth import worker_credentials, worker_key_exposed
+from gateway.http.debug import add_telemetry_routes
+from gateway.http.observe import RegistrySnapshot, TelemetryHooks, telemetry_middleware
+from gateway.http.openapi import add_openapi_route
+from gateway.peers.adapters import wire_shared_state
+from gateway.routing.cost_model import CostModel
+from gateway.routing.decisions import DecisionLog
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.request import RequestSettings
+from gateway.routing.router import Router
+from gateway.routing.slot_gate import SlotGate
 from gateway.tasks import TaskSet
-from gateway.telemetry import Telemetry, TelemetryConfig
-from gateway.telemetry_gateway import RegistrySnapshot, TelemetryHooks, telemetry_middleware
-from gateway.telemetry_tracing import TracingConfig
-from gateway.tokenizer_local import load_tokenizer
-from gateway.upstream import UpstreamPool
-from gateway.worker_kinds import configured_kind, parse_worker_spec
+from gateway.telemetry.hub import Telemetry, TelemetryConfig
+from gateway.telemetry.tracing import TracingConfig
+from gateway.workers.allowlist import HostAllowList
+from gateway.workers.engine_load import LoadPoller
+from gateway.workers.health import HealthChecker
+from gateway.workers.kinds import configured_kind, parse_worker_spec
+from gateway.workers.outlier import OutlierDetector
+from gateway.workers.registry import Worker, WorkerRegistry
 from policies.base import Policy
 from policies.registry import POLICIES, create_policy
 
@@ -83,32 +84,32 @@ def build_app(
     # The server's middleware first: it sets the request id telemetry reads.
     app = web.Application(
         client_max_size=config.server.max_payload_size,
-        middlewares=[server.make_middleware(config), telemetry_middleware(telemetry)],
+        middlewares=[handlers.make_middleware(config), telemetry_middleware(telemetry)],
     )
     registry = WorkerRegistry(config.outlier.panic_threshold, clock)
     for spec in config.workers:
         url, kind = parse_worker_spec(spec)
         registry.add(validate_worker_url(url), kind or configured_kind(config.worker_kind))
     req = config.request
-    app[keys.CONFIG] = config
-    app[keys.REGISTRY] = registry
-    app[keys.SETTINGS] = RequestSettings(
+    app[app_keys.CONFIG] = config
+    app[app_keys.REGISTRY] = registry
+    app[app_keys.SETTINGS] = RequestSettings(
         chars_per_token=req.chars_per_token,
         block_chars=req.block_chars,
         routing_key_headers=tuple(h.lower() for h in req.routing_key_headers),
         routing_key_from_user=req.routing_key_from_user,
     )
-    app[keys.ADMISSION] = Admission(config.admission)
-    app[keys.DECISIONS] = DecisionLog(config.decisions.ring_size)
-    app[keys.TASKS] = TaskSet()
-    app[keys.TELEMETRY] = telemetry
+    app[app_keys.ADMISSION] = Admission(config.admission)
+    app[app_keys.DECISIONS] = DecisionLog(config.decisions.ring_size)
+    app[app_keys.TASKS] = TaskSet()
+    app[app_keys.TELEMETRY] = telemetry
     policy = make_policy(config.policy)
     app.cleanup_ctx.append(lambda a: _runtime(a, policy, rng or random.Random(config.policy.seed)))
-    server.add_routes(app)
+    handlers.add_routes(app)
     admin.add_routes(app)
     app[admin.ALLOWLIST] = HostAllowList(config.server.worker_allowlist)
     add_openapi_route(app)
-    add_telemetry_routes(app, telemetry=telemetry, decisions=app[keys.DECISIONS])
+    add_telemetry_routes(app, telemetry=telemetry, decisions=app[app_keys.DECISIONS])
     return app
 
 
@@ -129,7 +130,7 @@ def make_telemetry(config: GatewayConfig) -> Telemetry:
 
 def _session(config: GatewayConfig) -> aiohttp.ClientSession:
     # One session for the app's life, for probes, polls, aborts and model lists (the
-    # request path uses the leaner gateway.upstream pool). No global connection cap;
+    # request path uses the leaner gateway.forward.upstream pool). No global connection cap;
     # per worker, enough kept-alive connections for its concurrency.
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=config.server.connections_per_worker, keepalive_timeout=60.0
@@ -162,8 +163,8 @@ def make_kv_events(
 
 
 async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> AsyncIterator[None]:
-    config = app[keys.CONFIG]
-    registry = app[keys.REGISTRY]
+    config = app[app_keys.CONFIG]
+    registry = app[app_keys.REGISTRY]
     session = _session(config)
     block_tokens = config.request.block_chars / config.request.chars_per_token
     index = PrefixIndex(
@@ -208,12 +209,12 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     exact = make_kv_events(config, registry, session)
     if exact is not None:
         await exact.start()
-    telemetry = app[keys.TELEMETRY]
+    telemetry = app[app_keys.TELEMETRY]
     telemetry.use_snapshot(
         RegistrySnapshot(
             registry,
             index=index,
-            admission=app[keys.ADMISSION],
+            admission=app[app_keys.ADMISSION],
             policy=policy.name,
             modes=exact,
         )
@@ -223,10 +224,10 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     health.on_metadata.append(set_capacity)
     load.on_capacity.append(set_capacity)
     registry.on_removed(forget)
-    app[keys.SESSION] = session
-    app[keys.HEALTH] = health
+    app[app_keys.SESSION] = session
+    app[app_keys.HEALTH] = health
     shared = wire_shared_state(app, config.redis, index, registry, health.check_now)
-    app[keys.ROUTER] = Router(
+    app[app_keys.ROUTER] = Router(
         config=config,
         registry=registry,
         policy=policy,
@@ -235,14 +236,14 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         outlier=outlier,
         session=session,
         pool=pool,
-        decisions=app[keys.DECISIONS],
-        spawn=app[keys.TASKS].spawn,
+        decisions=app[app_keys.DECISIONS],
+        spawn=app[app_keys.TASKS].spawn,
         rng=rng,
         hooks=TelemetryHooks(telemetry),
         exact=exact,
         slots=slots,
         credentials=worker_credentials(
-            config.server, gateway_checks_keys=server.make_authenticator(config).enabled
+            config.server, gateway_checks_keys=handlers.make_authenticator(config).enabled
         ),
     )
     loops = TaskSet()
@@ -265,7 +266,7 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         if shared is not None:
             await shared.stop()
         await loops.close()
-        await app[keys.TASKS].close()
+        await app[app_keys.TASKS].close()
         if exact is not None:
             await exact.close()
         await pool.close()

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from gateway.allowlist import DEFAULT_ALLOWED
-from gateway.worker_kinds import AUTO, KIND_NAMES, parse_worker_spec
+from gateway.workers.allowlist import DEFAULT_ALLOWED
+from gateway.workers.kinds import AUTO, KIND_NAMES, parse_worker_spec
 
 LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 
@@ -48,7 +48,7 @@ class ServerConfig:
         "request-id",
     )
     log_level: str = "info"  # no per-request line is ever logged at INFO
-    # One JSON object per log line (gateway.logging_setup) instead of plain text.
+    # One JSON object per log line (gateway.telemetry.logs) instead of plain text.
     log_json: bool = False
     # Whole-request bound for one worker attempt (sglang-router's default, 30 min):
     # long generations are legitimate; hung workers are caught by health checks.
@@ -135,7 +135,7 @@ class PrefixIndexConfig:
     # until memory pressure, so only stale entries (e.g. a restarted worker's) should go.
     max_idle_s: float = 3600.0
     # Longest a request is held for a busy slot holding its prefix on a worker whose slots
-    # share no KV (llama.cpp); 0 = never hold (gateway/slot_gate.py).
+    # share no KV (llama.cpp); 0 = never hold (gateway/routing/slot_gate.py).
     slot_wait_s: float = 2.0
 
 
@@ -218,7 +218,7 @@ class TelemetryConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
-    """Exact mode from SGLang KV events (gateway.kv_events, docs/KV_EVENTS.md)."""
+    """Exact mode from SGLang KV events (gateway.exact.kv_events, docs/KV_EVENTS.md)."""
 
     # Follow the KV events of workers whose /server_info advertises them.
     enabled: bool = False
@@ -266,7 +266,7 @@ class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     workers: tuple[str, ...] = ()  # worker URLs registered at start, each may end in #kind
     # Kind of a worker whose URL names none: sglang, llamacpp, vllm, openai, or auto
-    # (discovered from what it answers; gateway.worker_kinds).
+    # (discovered from what it answers; gateway.workers.kinds).
     worker_kind: str = "auto"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
@@ -490,8 +490,8 @@ def validate(cfg: GatewayConfig) -> None:
 
 
 def _validate_security(s: ServerConfig) -> None:
-    from gateway.allowlist import parse_entries
-    from gateway.auth import read_key_file
+    from gateway.http.auth import read_key_file
+    from gateway.workers.allowlist import parse_entries
 
     try:
         parse_entries(s.worker_allowlist)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from simulator.config import SimConfig
 from simulator.faults import Faults
 from simulator.fleet import SimulatedFleet
-from simulator.profiles import DEFAULT_PROFILE, PROFILES
+from simulator.model.profiles import DEFAULT_PROFILE, PROFILES
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from simulator.faults import Faults
-from simulator.profiles import DEFAULT_PROFILE, Profile, get_profile
+from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
 
 SGLANG_VERSION = "0.5.23"
 ENGINES = ("sglang", "llamacpp")
@@ -73,7 +73,7 @@ class SimConfig:
         self.resolved_profile()
         self.faults.validate()
         if self.kv_events_config is not None:
-            from simulator.kv_events import KVEventsConfig  # needs the kv-events extra
+            from simulator.http.kv_publisher import KVEventsConfig  # needs the kv-events extra
 
             KVEventsConfig.from_json(self.kv_events_config)
 

@@ -11,7 +11,7 @@
         await fleet.restart_worker(1)   # same port, fresh state
 
 All workers share the caller's event loop. ``SimConfig(engine="llamacpp", slots=n)`` makes
-them llama.cpp servers (:mod:`simulator.llamacpp_server`) instead of SGLang workers.
+them llama.cpp servers (:mod:`simulator.http.llamacpp`) instead of SGLang workers.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 from types import TracebackType
 
 from simulator.config import SimConfig
-from simulator.llamacpp_server import LlamaCppWorker
-from simulator.server import SimulatedWorker
+from simulator.http.llamacpp import LlamaCppWorker
+from simulator.http.sglang import SimulatedWorker
 
 __all__ = ["LlamaCppWorker", "SimConfig", "SimulatedFleet", "SimulatedWorker", "make_worker"]
 

@@ -1,5 +1,6 @@
 """Shared test configuration: a simulated fleet and a client session, in-process on
-loopback (the gateway itself is started per test with ``gateway.testing.run_gateway``)."""
+loopback (the gateway itself is started per test with
+``loadtests.harness.inprocess.run_gateway``)."""
 
 from __future__ import annotations
 

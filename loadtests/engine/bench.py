@@ -52,7 +52,7 @@ from loadtests.engine.workload import (
 )
 
 # The simulator's profile for these workers: tiny-llamacpp is fitted to REAL_ENGINE.md's
-# quiet-machine measurements of this model on one thread (simulator/profiles.py), so it
+# quiet-machine measurements of this model on one thread (simulator/model/profiles.py), so it
 # runs at speed 1. (The earlier tiny-cpu profile needed a speed of 0.44.)
 SIM_PROFILE = "tiny-llamacpp"
 SIM_SPEED = 1.0

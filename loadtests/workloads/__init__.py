@@ -4,7 +4,7 @@
 """
 
 from loadtests.workloads.base import ChatMessage, TracePrompt, Workload, WorkloadRequest
-from loadtests.workloads.registry import create_workload, workload_names
+from loadtests.workloads.catalog import create_workload, workload_names
 
 __all__ = [
     "ChatMessage",

@@ -18,14 +18,14 @@ from aiohttp import web
 from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 
 import gateway.app
-from gateway import keys
+from gateway import app_keys
 from gateway.config import config_from_dict, merge
-from gateway.debug_api import add_telemetry_routes
-from gateway.decisions import CandidateScore, DecisionLog, DecisionRecord
-from gateway.logging_setup import REQUEST_ID
-from gateway.server import start_site
-from gateway.telemetry import _CURRENT, Telemetry
-from gateway.telemetry_snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
+from gateway.http.debug import add_telemetry_routes
+from gateway.http.handlers import start_site
+from gateway.routing.decisions import CandidateScore, DecisionLog, DecisionRecord
+from gateway.telemetry.hub import _CURRENT, Telemetry
+from gateway.telemetry.logs import REQUEST_ID
+from gateway.telemetry.snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
 from simulator.fleet import SimConfig, SimulatedFleet
 
 CHROMIUM = "/usr/bin/chromium"
@@ -225,7 +225,7 @@ async def test_dashboard_through_gateway_and_simulated_fleet(
         runner, port = await start_site(app, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{port}"
         try:
-            ids = [w.id for w in app[keys.REGISTRY]]
+            ids = [w.id for w in app[app_keys.REGISTRY]]
             page, errors = await open_dashboard(browser, url)
             for wid in ids:
                 await page.wait_for_selector(f'#workers tbody tr[data-worker="{wid}"]')

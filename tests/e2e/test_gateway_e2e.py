@@ -14,7 +14,7 @@ it learned).
 
 Two clients send siblings of one prefix at the same time now and then. llama.cpp's slots
 share no KV, so the second would compute the prefix again in another slot and evict what
-that slot held; the gateway's slot gate (``gateway/slot_gate.py``) holds it until the
+that slot held; the gateway's slot gate (``gateway/routing/slot_gate.py``) holds it until the
 first finishes and then sends it to the warm slot. Before the gate, min_ttft passed these
 checks in only 2 of 3 runs (cached fraction 0.48-0.57 against round robin's 0.23); with
 it, 0.677 (every repeat a hit) in each of 3 runs. See docs/REAL_ENGINE.md.

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench import parse_spec, write_benchmarks
-from loadtests.bench_report import WorkloadReport, quantile
+from loadtests.bench.live import parse_spec, write_benchmarks
+from loadtests.bench.report import WorkloadReport, quantile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_write_benchmarks_replaces_only_its_section(tmp_path: Path) -> None:
 def test_short_benchmark_run_produces_its_table(tmp_path: Path) -> None:
     out = tmp_path / "results"
     cmd = [
-        sys.executable, "-m", "loadtests.bench", "--workers", "2", "--speed", "20",
+        sys.executable, "-m", "loadtests.bench.live", "--workers", "2", "--speed", "20",
         "--contenders", "gateway:min_ttft", "direct", "--results", str(out),
         "--workload", "generated-shared-prefix:num_groups=4,prompts_per_group=4,"
         "output_len=8,request_rate=40,capacity_tokens=65536",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import ClientSession
 
-from gateway.testing import run_gateway
+from loadtests.harness.inprocess import run_gateway
 
 pytest.importorskip("simulator.fleet")  # lands with the simulated worker
 from simulator.fleet import SimulatedFleet

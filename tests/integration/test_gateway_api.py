@@ -9,7 +9,7 @@ import orjson
 import pytest
 from aiohttp import ClientSession
 
-from gateway.testing import run_gateway, sim_stats
+from loadtests.harness.inprocess import run_gateway, sim_stats
 
 pytest.importorskip("simulator.fleet")  # lands with the simulated worker
 from simulator.fleet import SimulatedFleet

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession
 
-from gateway.registry import HealthFlag
-from gateway.testing import run_gateway, sim_faults, sim_stats
+from gateway.workers.registry import HealthFlag
+from loadtests.harness.inprocess import run_gateway, sim_faults, sim_stats
 
 pytest.importorskip("simulator.fleet")  # lands with the simulated worker
 from simulator.fleet import SimulatedFleet

@@ -1,6 +1,6 @@
 """Wrong methods on known paths: 405 with ``Allow`` and an OpenAI-style JSON body, for
 every method aiohttp's parser knows (TRACE included); methods it does not know, CONNECT
-and requests it cannot parse get JSON errors too (``gateway.connguard.JsonErrorsHandler``).
+and requests it cannot parse get JSON errors too (``gateway.http.connguard.JsonErrorsHandler``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import orjson
 import pytest
 from aiohttp import ClientSession
 
-from gateway.testing import GatewayHandle, run_gateway
+from loadtests.harness.inprocess import GatewayHandle, run_gateway
 
 GET_ONLY = "GET,HEAD"
 WRONG = {

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
-from gateway.testing import run_gateway
+from loadtests.harness.inprocess import run_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x" * 300}], "stream": True}
 

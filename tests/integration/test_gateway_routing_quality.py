@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.testing import run_gateway
+from loadtests.harness.inprocess import run_gateway
 from simulator.fleet import SimConfig, SimulatedFleet
 
 GROUPS = 8

@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 from aiohttp import ClientSession, web
 
-from gateway import keys
-from gateway.testing import run_gateway
+from gateway import app_keys
+from loadtests.harness.inprocess import run_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 4}
 
@@ -181,7 +181,7 @@ async def test_llamacpp_body_untouched_cached_tokens_read_no_abort_request() -> 
             resp.close()  # the client goes away mid-stream
         await asyncio.wait_for(fake.stream_closed.wait(), 5.0)
         await asyncio.sleep(0.1)
-        records = gw.app[keys.DECISIONS].latest(10)
+        records = gw.app[app_keys.DECISIONS].latest(10)
     assert all("rid" not in body for body in fake.bodies)  # no rid added for llama.cpp
     assert fake.bodies[0] == CHAT
     reported = [r.outcome.reported_cached_tokens for r in records if r.outcome is not None]
@@ -199,7 +199,7 @@ async def test_vllm_is_discovered_and_polled() -> None:
         worker = await _wait_for_load(client, gw.url)
         async with client.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
             assert resp.status == 200
-        records = gw.app[keys.DECISIONS].latest(1)
+        records = gw.app[app_keys.DECISIONS].latest(1)
     assert (worker["kind"], worker["model"], worker["capacity_tokens"]) == (
         "vllm",
         "org/model",

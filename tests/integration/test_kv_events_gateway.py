@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.registry import worker_id_for
-from gateway.testing import run_gateway
+from gateway.workers.registry import worker_id_for
+from loadtests.harness.inprocess import run_gateway
 from simulator.fleet import SimConfig, SimulatedFleet
 
 KV_CONFIG = (

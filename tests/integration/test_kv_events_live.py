@@ -15,16 +15,16 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.kv_events import (
+from gateway.exact.kv_events import (
     MODE_DEGRADED,
     MODE_EXACT,
     KVEventsManager,
     KVEventsSettings,
     request_tokens,
 )
-from gateway.prefix_index import PrefixIndex
-from gateway.request import ApiKind, RequestSettings, parse_request
-from gateway.tokenizer_local import load_tokenizer
+from gateway.exact.tokenizer import load_tokenizer
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.request import ApiKind, RequestSettings, parse_request
 from simulator.fleet import SimConfig, SimulatedFleet
 
 KV_CONFIG = (

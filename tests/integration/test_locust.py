@@ -16,6 +16,7 @@ from loadtests.engine.gateway_proc import run_gateway
 from loadtests.engine.sim_fleet import SimSettings, run_sim_fleet
 
 ROOT = Path(__file__).resolve().parents[2]
+LOCUSTFILE = ROOT / "loadtests" / "locust" / "locustfile.py"
 SIM = SimSettings(profile="llama3-8b-h100", speed=20.0, capacity_tokens=65536,
                   max_running_requests=16)  # fmt: skip
 
@@ -33,7 +34,7 @@ def test_headless_locust_reports_ttft_and_cached_fraction(tmp_path: Path) -> Non
     ):
         prefix = tmp_path / "out"
         cmd = [
-            sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py"),
+            sys.executable, "-m", "locust", "-f", str(LOCUSTFILE),
             "--headless", "-u", "4", "-r", "4", "-t", "6s", "--host", gw.url,
             "--csv", str(prefix), "--only-summary", "--loglevel", "WARNING",
             "--workload", "generated-shared-prefix",

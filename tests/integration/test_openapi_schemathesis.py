@@ -1,4 +1,4 @@
-"""Schemathesis against the gateway's OpenAPI document (``gateway.openapi``).
+"""Schemathesis against the gateway's OpenAPI document (``gateway.http.openapi``).
 
 A gateway with one simulated worker runs on a background loop for the module; every
 operation of ``/openapi.json`` gets a bounded number of generated cases, each checked for
@@ -20,8 +20,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     positive_data_acceptance,
 )
 
-from gateway.openapi import build_spec  # noqa: E402
-from gateway.testing import BackgroundGateway  # noqa: E402
+from gateway.http.openapi import build_spec  # noqa: E402
+from loadtests.harness.inprocess import BackgroundGateway  # noqa: E402
 
 SCHEMA = schemathesis.openapi.from_dict(build_spec())
 TRIED = {"cases": 0}

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession
 
-from gateway.lease import Lease
-from gateway.shared_adapters import SHARED_STATE
-from gateway.shared_testing import PrivateRedis, delete_prefix, redis_answers
-from gateway.testing import GatewayHandle, run_gateway
+from gateway.peers.adapters import SHARED_STATE
+from gateway.routing.lease import Lease
+from loadtests.harness.inprocess import GatewayHandle, run_gateway
+from loadtests.harness.redis import PrivateRedis, delete_prefix, redis_answers
 from simulator.fleet import SimulatedFleet
 
 pytestmark = pytest.mark.redis

@@ -11,9 +11,9 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.testing import run_gateway
+from loadtests.harness.inprocess import run_gateway
 from simulator.fleet import SimConfig, SimulatedFleet
-from simulator.slot_model import SlotWorkerModel
+from simulator.model.slots import SlotWorkerModel
 
 SYSTEM = " ".join(f"word{i}" for i in range(300))
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from simulator.fleet import SimConfig, SimulatedFleet
-from simulator.tokenizer import IM_END_ID
+from simulator.model.tokenizer import IM_END_ID
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
 

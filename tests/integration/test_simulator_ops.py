@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.fleet import SimConfig, SimulatedFleet
-from simulator.metrics import E2E_BUCKETS, TTFT_BUCKETS
+from simulator.http.metrics import E2E_BUCKETS, TTFT_BUCKETS
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
 LONG = {**CHAT, "max_tokens": 4000, "stream": True}

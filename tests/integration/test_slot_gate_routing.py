@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.testing import run_gateway
+from loadtests.harness.inprocess import run_gateway
 from simulator.fleet import SimConfig, SimulatedFleet
 
 SYSTEM = " ".join(f"shared{i}" for i in range(600))  # the prefix both requests share

@@ -1,4 +1,4 @@
-"""What a worker sees of credentials (``gateway.auth.WorkerCredentials``): never the
+"""What a worker sees of credentials (``gateway.http.auth.WorkerCredentials``): never the
 client's key when the gateway checks keys, the configured worker key on proxied requests
 and on the gateway's own probes and polls, and the client's headers untouched otherwise.
 
@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from gateway.config import ConfigError
-from gateway.testing import run_gateway
+from loadtests.harness.inprocess import run_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 CLIENT_KEY, WORKER_KEY, ADMIN_KEY = "client-secret-1", "worker-secret-1", "admin-secret-1"

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.testing import BackgroundGateway
+from loadtests.harness.inprocess import BackgroundGateway
 
 MAX_BODY = 64 * 1024
 POST_PATHS = (

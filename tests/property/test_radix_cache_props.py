@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simulator.radix_cache import CacheFullError, RadixCache, TreeNode, decode_tokens, encode_tokens
+from simulator.model.radix_cache import (
+    CacheFullError,
+    RadixCache,
+    TreeNode,
+    decode_tokens,
+    encode_tokens,
+)
 
 NAMESPACES = ("", "salt-a")
 

@@ -10,8 +10,8 @@ import contextlib
 import aiohttp
 from aiohttp import ClientSession
 
-from gateway import keys
-from gateway.testing import GatewayHandle, run_gateway, sim_faults, sim_stats
+from gateway import app_keys
+from loadtests.harness.inprocess import GatewayHandle, run_gateway, sim_faults, sim_stats
 from simulator.fleet import SimulatedFleet
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8}
@@ -19,7 +19,7 @@ ENDLESS = {**CHAT, "max_tokens": 20000, "ignore_eos": True}
 
 
 def _all_zero(gw: GatewayHandle) -> bool:
-    admission = gw.app[keys.ADMISSION]
+    admission = gw.app[app_keys.ADMISSION]
     return (
         all(
             w.in_flight == 0 and w.queued_prefill_tokens == 0 and w.decoding_requests == 0
@@ -48,7 +48,7 @@ async def test_disconnect_while_queued_in_admission(
     async with run_gateway(
         fleet.urls[:1], admission__max_concurrent_requests=1, admission__queue_timeout_s=30.0
     ) as gw:
-        admission = gw.app[keys.ADMISSION]
+        admission = gw.app[app_keys.ADMISSION]
         url = gw.url + "/v1/chat/completions"
         holder = await client.post(url, json={**ENDLESS, "stream": True})
         assert holder.status == 200

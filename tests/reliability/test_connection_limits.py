@@ -1,4 +1,4 @@
-"""Connection limits (``gateway.connguard``): a cap on open connections answered with a
+"""Connection limits (``gateway.http.connguard``): a cap on open connections answered with a
 503 JSON error, and slowloris clients (a request head that never ends) cut off, on a
 new connection and on every later request of a kept-alive one."""
 
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from gateway.connguard import ConnectionGuard, GuardedSite
+from gateway.http.connguard import ConnectionGuard, GuardedSite
 
 
 async def _ok(_: web.Request) -> web.Response:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession
 
-from gateway.registry import HealthFlag
-from gateway.testing import run_gateway, sim_faults
+from gateway.workers.registry import HealthFlag
+from loadtests.harness.inprocess import run_gateway, sim_faults
 from simulator.fleet import SimulatedFleet
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "secret prompt text"}]}

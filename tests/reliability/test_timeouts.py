@@ -14,8 +14,8 @@ import orjson
 import pytest
 from aiohttp import ClientSession, web
 
-from gateway.registry import HealthFlag
-from gateway.testing import run_gateway, sim_faults
+from gateway.workers.registry import HealthFlag
+from loadtests.harness.inprocess import run_gateway, sim_faults
 from simulator.fleet import SimulatedFleet
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8}

@@ -12,7 +12,7 @@ import time
 import orjson
 from aiohttp import ClientSession
 
-from gateway.testing import run_gateway, sim_faults, sim_stats
+from loadtests.harness.inprocess import run_gateway, sim_faults, sim_stats
 from simulator.fleet import SimulatedFleet
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8}

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from gateway.admission import Admission
 from gateway.config import AdmissionConfig
 from gateway.errors import GatewayError
+from gateway.http.admission import Admission
 
 
 async def _hold(adm: Admission, entered: list[int], i: int, release: asyncio.Event) -> None:

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from multidict import CIMultiDict
 
-from gateway.auth import (
+from gateway.config import ServerConfig
+from gateway.errors import GatewayError
+from gateway.http.auth import (
     Authenticator,
     WorkerCredentials,
     collect_keys,
@@ -16,8 +18,6 @@ from gateway.auth import (
     worker_key,
     worker_key_exposed,
 )
-from gateway.config import ServerConfig
-from gateway.errors import GatewayError
 
 
 def _bearer(key: str) -> dict[str, str]:

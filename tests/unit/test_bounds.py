@@ -8,7 +8,7 @@ from functools import cache
 
 import pytest
 
-from loadtests.bounds import (
+from loadtests.replay.bounds import (
     BlockRequest,
     compute_bounds,
     infinite_cache,

@@ -12,7 +12,7 @@ import orjson
 import pytest
 import yaml
 
-from gateway.__main__ import configure_logging, main, parse_config
+from gateway.cli import configure_logging, main, parse_config
 from gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -21,7 +21,7 @@ from gateway.config import (
     merge,
     validate_worker_url,
 )
-from gateway.logging_setup import JsonFormatter, PlainFormatter
+from gateway.telemetry.logs import JsonFormatter, PlainFormatter
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "config" / "gateway.yaml"

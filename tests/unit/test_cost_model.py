@@ -3,7 +3,7 @@
 import math
 import random
 
-from gateway.cost_model import DEFAULT_COST, CostModel
+from gateway.routing.cost_model import DEFAULT_COST, CostModel
 from policies.base import WorkerCost
 
 

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.hashing import block_hashes, seed_for
+from gateway.routing.hashing import block_hashes, seed_for
 
 
 def test_full_blocks_only() -> None:

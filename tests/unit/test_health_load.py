@@ -5,10 +5,10 @@ from __future__ import annotations
 import aiohttp
 
 from gateway.config import HealthConfig
-from gateway.health import HealthChecker, parse_server_info
-from gateway.load import parse_get_load, parse_metrics, parse_v1_loads
-from gateway.proxy import cached_tokens
-from gateway.registry import HealthFlag, WorkerRegistry
+from gateway.forward.relay import cached_tokens
+from gateway.workers.health import HealthChecker
+from gateway.workers.registry import HealthFlag, WorkerRegistry
+from gateway.workers.replies import parse_get_load, parse_metrics, parse_server_info, parse_v1_loads
 
 
 async def test_flags_flip_after_consecutive_results() -> None:
@@ -112,7 +112,7 @@ async def test_poller_falls_back_to_metrics_and_remembers() -> None:
     from aiohttp.test_utils import TestServer
 
     from gateway.config import LoadConfig
-    from gateway.load import LoadPoller
+    from gateway.workers.engine_load import LoadPoller
 
     hits: list[str] = []
 

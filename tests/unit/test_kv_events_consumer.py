@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import zmq.asyncio
 
-from gateway.kv_events import (
+from gateway.exact.kv_events import (
     MODE_APPROXIMATE,
     MODE_DEGRADED,
     MODE_EXACT,
@@ -27,10 +27,10 @@ from gateway.kv_events import (
     namespace_seed,
     request_tokens,
 )
-from gateway.tokenizer_local import SimTokenizerAdapter, load_tokenizer
-from simulator.kv_events import BlockStored as SimStored
-from simulator.kv_events import KVEventPublisher, KVEventsConfig, encode_batch
-from simulator.radix_cache import RadixCache, encode_tokens
+from gateway.exact.tokenizer import SimTokenizerAdapter, load_tokenizer
+from simulator.http.kv_publisher import BlockStored as SimStored
+from simulator.http.kv_publisher import KVEventPublisher, KVEventsConfig, encode_batch
+from simulator.model.radix_cache import RadixCache, encode_tokens
 
 NS0 = (None, None, None)
 
@@ -65,7 +65,7 @@ def _feed_cache(
     page: int = 4,
 ) -> tuple[RadixCache, list[Event], ExactIndex, Callable[[], None]]:
     """A radix cache whose events are decoded and applied to an ExactIndex as worker 'w'."""
-    from simulator.kv_events import EventRecorder
+    from simulator.http.kv_publisher import EventRecorder
 
     applied: list[Event] = []
     index = ExactIndex()
@@ -140,7 +140,7 @@ def test_predicted_ttl_follows_delay() -> None:
 def test_request_tokens_match_the_simulator() -> None:
     tok = load_tokenizer("sim")
     assert isinstance(tok, SimTokenizerAdapter)
-    from simulator.tokenizer import default_tokenizer
+    from simulator.model.tokenizer import default_tokenizer
 
     messages = [{"role": "user", "content": "Hello there"}]
     body = b'{"model":"m:ad","messages":[{"role":"user","content":"Hello there"}],"cache_salt":"s"}'

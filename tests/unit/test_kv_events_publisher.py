@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from simulator.kv_events import (
+from simulator.http.kv_publisher import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -24,7 +24,7 @@ from simulator.kv_events import (
     page_digests,
     salt_seed,
 )
-from simulator.radix_cache import RadixCache, encode_tokens
+from simulator.model.radix_cache import RadixCache, encode_tokens
 
 
 def test_hash_vector() -> None:

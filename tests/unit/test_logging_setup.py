@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from gateway.logging_setup import (
+from gateway.telemetry.hub import _CURRENT, Telemetry
+from gateway.telemetry.logs import (
     REDACTED,
     REQUEST_ID,
     current_request_id,
@@ -18,7 +19,6 @@ from gateway.logging_setup import (
     set_request_id,
     setup_logging,
 )
-from gateway.telemetry import _CURRENT, Telemetry
 
 
 @pytest.fixture(autouse=True)

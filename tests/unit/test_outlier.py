@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from gateway.config import OutlierConfig
-from gateway.outlier import OUTCOME_5XX, OUTCOME_CONNECT_ERROR, OUTCOME_SUCCESS, OutlierDetector
-from gateway.registry import HealthFlag, Worker, WorkerRegistry
+from gateway.workers.outlier import (
+    OUTCOME_5XX,
+    OUTCOME_CONNECT_ERROR,
+    OUTCOME_SUCCESS,
+    OutlierDetector,
+)
+from gateway.workers.registry import HealthFlag, Worker, WorkerRegistry
 
 
 class Clock:

@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.hashing import block_hashes, seed_for
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.hashing import block_hashes, seed_for
+from gateway.routing.prefix_index import PrefixIndex
 
 
 def chain(label: str, blocks: int, seed: int = 0) -> list[int]:
@@ -314,7 +314,7 @@ def test_a_recording_without_an_end_is_not_pinned() -> None:
 def test_in_flight_recordings_are_bounded_per_worker() -> None:
     """Every recording shares its blocks (one hot prompt): pins stay small, but each
     in-flight recording holds a block list, so their number is bounded."""
-    from gateway import prefix_index
+    from gateway.routing import prefix_index
 
     index = PrefixIndex(block_tokens=16.0, default_capacity_blocks=100_000)
     for i in range(prefix_index._MAX_INFLIGHT + 50):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.ratelimit import RateLimiter
+from gateway.http.ratelimit import RateLimiter
 
 
 class Clock:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.lease import Lease
-from gateway.registry import HealthFlag, WorkerRegistry, worker_id_for
+from gateway.routing.lease import Lease
+from gateway.workers.registry import HealthFlag, WorkerRegistry, worker_id_for
 
 
 class Clock:

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from gateway.request import RequestSettings
-from loadtests.replay import ReplayConfig, main, run_replay
-from loadtests.replay_hashes import parse_body
-from loadtests.replay_prompts import PromptBuilder
-from loadtests.replay_sim import Simulation
-from loadtests.replay_workers import make_workers
+from gateway.routing.request import RequestSettings
+from loadtests.replay.cli import ReplayConfig, main, run_replay
+from loadtests.replay.hashes import parse_body
+from loadtests.replay.prompts import PromptBuilder
+from loadtests.replay.sim import Simulation
+from loadtests.replay.workers import make_workers
 from loadtests.workloads import create_workload
 from policies.registry import create_policy
-from simulator.radix_cache import encode_tokens
-from simulator.tokenizer import default_tokenizer
+from simulator.model.radix_cache import encode_tokens
+from simulator.model.tokenizer import default_tokenizer
 
 SYNTHETIC = str(Path(__file__).resolve().parents[2] / "loadtests/data/mooncake_synthetic.jsonl")
 

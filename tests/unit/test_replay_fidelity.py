@@ -2,9 +2,10 @@
 behind the real gateway) agrees on hit rate within 3 points and TTFT p50 within 15%.
 
 Live: ``simulator.fleet.SimulatedFleet`` (speed-up ``SPEED``, times reported in modelled
-seconds) behind ``gateway.testing.run_gateway`` with ``cache_aware``; an open-loop asyncio
-client sends each request's body at ``arrival_s / SPEED`` and measures the time to the
-first chunk (the worker sends it once the first token exists), scaled back to modelled
+seconds) behind ``loadtests.harness.inprocess.run_gateway`` with ``cache_aware``; an
+open-loop asyncio client sends each request's body at ``arrival_s / SPEED`` and measures
+the time to the first chunk (the worker sends it once the first token exists),
+scaled back to modelled
 seconds. Offline: the replay's Simulation with the same profile, capacity, policy, rng
 seed and load-poll interval (in modelled seconds). Prompts are long (~0.5 s of modelled
 prefill even when the shared part hits) so that HTTP overhead on a busy machine stays
@@ -21,11 +22,11 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.testing import run_gateway
-from loadtests.replay_metrics import percentile
-from loadtests.replay_prompts import PromptBuilder
-from loadtests.replay_sim import Simulation
-from loadtests.replay_workers import make_workers
+from loadtests.harness.inprocess import run_gateway
+from loadtests.replay.metrics import percentile
+from loadtests.replay.prompts import PromptBuilder
+from loadtests.replay.sim import Simulation
+from loadtests.replay.workers import make_workers
 from loadtests.workloads import create_workload
 from loadtests.workloads.base import WorkloadRequest
 from policies.registry import create_policy
@@ -37,7 +38,7 @@ CAPACITY = 40_000
 PROFILE = "tiny-cpu"
 POLL_S = 0.2  # the gateway's load poll in wall seconds (TEST_DEFAULTS)
 POLICY = "cache_aware"  # decisions depend on the index and in-flight counts, not on timing
-SEED = 7  # the policy rng seed of gateway.testing.TEST_DEFAULTS
+SEED = 7  # the policy rng seed of loadtests.harness.inprocess.TEST_DEFAULTS
 MODEL = "sim-model"
 WORKLOAD = ["num_groups=3", "prompts_per_group=4", "system_prompt_len=600",
             "question_len=1000", "output_len=4", "request_rate=2", "seed=5"]  # fmt: skip

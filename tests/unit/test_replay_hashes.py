@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.request import RequestSettings
-from loadtests.replay_hashes import TraceHasher, parse_body
+from gateway.routing.request import RequestSettings
+from loadtests.replay.hashes import TraceHasher, parse_body
 from loadtests.workloads import create_workload
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from loadtests.replay_sglang import PromptAwarePolicy, SglangCacheAware
+from loadtests.replay.sglang_rule import PromptAwarePolicy, SglangCacheAware
 from policies.base import RouteContext, WorkerView
 
 

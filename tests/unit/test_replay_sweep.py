@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtests.replay_compare import compare_main, compare_table
-from loadtests.replay_sweep import goodput, pareto_front, parse_grid, sweep_main
+from loadtests.replay.compare import compare_main, compare_table
+from loadtests.replay.sweep import goodput, pareto_front, parse_grid, sweep_main
 
 
 def test_parse_grid_is_the_cartesian_product_with_yaml_scalars() -> None:

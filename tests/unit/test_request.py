@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.hashing import block_hashes
-from gateway.request import (
+from gateway.routing.hashing import block_hashes
+from gateway.routing.request import (
     ApiKind,
     RequestError,
     RequestSettings,

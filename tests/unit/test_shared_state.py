@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.shared_codec import (
+from gateway.peers.codec import (
     CodecError,
     pack_items,
     pack_load,
@@ -22,8 +22,8 @@ from gateway.shared_codec import (
     unpack_items,
     unpack_load,
 )
-from gateway.shared_state import SharedSettings, SharedState
-from gateway.shared_testing import delete_prefix, free_port, redis_answers
+from gateway.peers.state import SharedSettings, SharedState
+from loadtests.harness.redis import delete_prefix, free_port, redis_answers
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

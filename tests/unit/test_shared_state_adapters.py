@@ -5,16 +5,16 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.config import ConfigError, RedisConfig, config_from_dict
-from gateway.prefix_index import PrefixIndex
-from gateway.registry import HealthFlag, Worker, WorkerRegistry
-from gateway.shared_adapters import (
+from gateway.peers.adapters import (
     PeerIndexTarget,
     RegistryFleet,
     ReplicatingIndex,
     SharedStateCollector,
     settings_from,
 )
-from gateway.shared_state import SharedSettings, SharedState
+from gateway.peers.state import SharedSettings, SharedState
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.workers.registry import HealthFlag, Worker, WorkerRegistry
 
 A, B, C = "http://127.0.0.1:18001", "http://127.0.0.1:18002", "http://127.0.0.1:18003"
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from simulator.model import RequestOutput, SimRequest, StepResult, WorkerModel
-from simulator.profiles import get_profile
-from simulator.radix_cache import encode_tokens
-from simulator.tokenizer import IM_END_ID
+from simulator.model.profiles import get_profile
+from simulator.model.radix_cache import encode_tokens
+from simulator.model.radix_worker import RequestOutput, SimRequest, StepResult, WorkerModel
+from simulator.model.tokenizer import IM_END_ID
 
 H100 = get_profile("llama3-8b-h100")
 

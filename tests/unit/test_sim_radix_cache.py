@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from simulator.radix_cache import (
+from simulator.model.radix_cache import (
     CacheFullError,
     RadixCache,
     TreeNode,

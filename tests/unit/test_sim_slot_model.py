@@ -7,9 +7,9 @@ import random
 import pytest
 
 from simulator.config import SimConfig
-from simulator.model import RequestOutput, SimRequest, StepResult
-from simulator.profiles import get_profile
-from simulator.slot_model import ContextTooLong, SlotWorkerModel
+from simulator.model.profiles import get_profile
+from simulator.model.radix_worker import RequestOutput, SimRequest, StepResult
+from simulator.model.slots import ContextTooLong, SlotWorkerModel
 
 TINY = get_profile("tiny-cpu")
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from gateway.prefix_index import PrefixIndex
-from gateway.slot_gate import SlotGate, Ticket
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.slot_gate import SlotGate, Ticket
 
 P = tuple(range(100, 120))  # a 20-block shared prefix
 

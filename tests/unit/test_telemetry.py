@@ -8,10 +8,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.decisions import CandidateScore, DecisionRecord
-from gateway.logging_setup import REQUEST_ID
-from gateway.telemetry import _CURRENT, NO_WORKER, Telemetry, TelemetryConfig
-from gateway.telemetry_snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
+from gateway.routing.decisions import CandidateScore, DecisionRecord
+from gateway.telemetry.hub import _CURRENT, NO_WORKER, Telemetry, TelemetryConfig
+from gateway.telemetry.logs import REQUEST_ID
+from gateway.telemetry.snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
 
 ROUTE = "/v1/chat/completions"
 

@@ -8,10 +8,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.debug_api import add_telemetry_routes
-from gateway.decisions import CandidateScore, DecisionLog, DecisionRecord
-from gateway.telemetry import Telemetry
-from gateway.telemetry_snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
+from gateway.http.debug import add_telemetry_routes
+from gateway.routing.decisions import CandidateScore, DecisionLog, DecisionRecord
+from gateway.telemetry.hub import Telemetry
+from gateway.telemetry.snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
 
 SECRET = "never-log-this-prompt"
 

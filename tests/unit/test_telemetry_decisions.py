@@ -7,7 +7,7 @@ import random
 import orjson
 import pytest
 
-from gateway.decisions import DecisionLog, DecisionOutcome, DecisionRecord
+from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
 from policies.base import Decision, WorkerView
 
 

@@ -22,12 +22,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.app
-from gateway import keys
+from gateway import app_keys
 from gateway.config import config_from_dict, merge
-from gateway.logging_setup import REQUEST_ID, setup_logging
-from gateway.server import start_site
-from gateway.telemetry import _CURRENT, Telemetry
-from loadtests.telemetry_bench import fake_worker_app
+from gateway.http.handlers import start_site
+from gateway.telemetry.hub import _CURRENT, Telemetry
+from gateway.telemetry.logs import REQUEST_ID, setup_logging
+from loadtests.micro.telemetry import fake_worker_app
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello " * 40}]}
@@ -87,11 +87,11 @@ async def gateway_env(
     }))  # fmt: skip
     app = gateway.app.build_app(config)
     (telemetry,) = built
-    assert app[keys.TELEMETRY] is telemetry
+    assert app[app_keys.TELEMETRY] is telemetry
     runner, port = await start_site(app, "127.0.0.1", 0)
     try:
         for _ in range(200):
-            if app[keys.REGISTRY].healthy_count() == 3:
+            if app[app_keys.REGISTRY].healthy_count() == 3:
                 break
             await asyncio.sleep(0.02)
         async with aiohttp.ClientSession() as session:
@@ -206,7 +206,7 @@ async def test_decisions_and_index_routes(env: Env) -> None:
 async def test_removed_worker_series_vanish(env: Env) -> None:
     for _ in range(6):
         assert await chat(env) == 200
-    registry = env.app[keys.REGISTRY]
+    registry = env.app[app_keys.REGISTRY]
     gone = next(iter(registry)).id
     async with env.session.delete(env.url + f"/workers/{gone}") as resp:
         assert resp.status in (200, 202, 204)
@@ -220,7 +220,7 @@ async def test_retries_and_upstream_errors(monkeypatch: pytest.MonkeyPatch) -> N
         statuses = [await chat(env) for _ in range(6)]
         assert statuses == [200] * 6  # each 503 retried on another worker
         m = await metrics(env)
-        first = env.app[keys.REGISTRY].find(env.app[keys.CONFIG].workers[0])
+        first = env.app[app_keys.REGISTRY].find(env.app[app_keys.CONFIG].workers[0])
         assert first is not None
         assert by(m, "gateway_upstream_errors_total", kind="http_5xx") == {first.id: 2.0}
         assert by(m, "gateway_retries_total") == {"": 2.0}

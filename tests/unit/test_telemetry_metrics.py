@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.telemetry_metrics import CounterVec, HistogramVec, PushCollector
+from gateway.telemetry.metrics import CounterVec, HistogramVec, PushCollector
 
 
 def scrape(

@@ -10,11 +10,11 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-import gateway.telemetry_tracing
-from gateway.decisions import CandidateScore, DecisionRecord
-from gateway.logging_setup import REQUEST_ID
-from gateway.telemetry import _CURRENT, Telemetry, TelemetryConfig
-from gateway.telemetry_tracing import Tracing, TracingConfig, parse_traceparent
+import gateway.telemetry.tracing
+from gateway.routing.decisions import CandidateScore, DecisionRecord
+from gateway.telemetry.hub import _CURRENT, Telemetry, TelemetryConfig
+from gateway.telemetry.logs import REQUEST_ID
+from gateway.telemetry.tracing import Tracing, TracingConfig, parse_traceparent
 
 ROUTE = "/v1/chat/completions"
 PARENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -163,7 +163,7 @@ def test_tracing_off_creates_no_span() -> None:
 def test_console_exporter_prints_the_span(monkeypatch: pytest.MonkeyPatch) -> None:
     out = io.StringIO()  # ConsoleSpanExporter binds sys.stdout at import: give it a buffer
     monkeypatch.setattr(
-        gateway.telemetry_tracing, "ConsoleSpanExporter", lambda: ConsoleSpanExporter(out=out)
+        gateway.telemetry.tracing, "ConsoleSpanExporter", lambda: ConsoleSpanExporter(out=out)
     )
     t = Telemetry(TelemetryConfig(tracing=TracingConfig(exporter="console")))
     assert t.tracing_enabled

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.upstream import UpstreamError, UpstreamPool
+from gateway.forward.upstream import UpstreamError, UpstreamPool
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Coroutine[Any, Any, None]]
 

@@ -8,10 +8,10 @@ import random
 import orjson
 import pytest
 
-from gateway.hashing import block_hashes
-from gateway.prefix_index import PrefixIndex
-from gateway.proxy import cached_tokens
-from gateway.worker_kinds import (
+from gateway.forward.relay import cached_tokens
+from gateway.routing.hashing import block_hashes
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.workers.kinds import (
     KIND_NAMES,
     LLAMACPP,
     OPENAI,

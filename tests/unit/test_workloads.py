@@ -8,8 +8,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.request import ApiKind, RequestSettings, parse_request
-from loadtests.bounds import BlockRequest, infinite_cache
+from gateway.routing.request import ApiKind, RequestSettings, parse_request
+from loadtests.replay.bounds import BlockRequest, infinite_cache
 from loadtests.workloads import Workload, create_workload, workload_names
 from loadtests.workloads.arrivals import ramp_arrivals
 from loadtests.workloads.base import TracePrompt, WorkloadRequest

@@ -1,0 +1,286 @@
+"""Command line: flags (sglang-router compatible) → config → uvloop → serve.
+
+Contract: ``main(argv)`` returns an exit code: 0 after a clean stop, 2 when the
+configuration is refused (the message names the key, the flag and the problem). Flags
+override the YAML file given with ``--config``. This is the only module that knows uvloop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import yaml
+
+from gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    ServerConfig,
+    config_from_dict,
+    merge,
+    read_yaml,
+)
+from gateway.telemetry.logs import setup_logging
+
+# flag → (dotted config key, argparse options). Defaults live in gateway/config.py only;
+# a flag absent from the command line leaves the file's (or the default) value.
+_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "--host": ("server.host", {"help": "address to listen on (default 127.0.0.1)"}),
+    "--port": ("server.port", {"type": int, "help": "port to listen on (default 30000)"}),
+    "--worker-urls": (
+        "workers",
+        {"nargs": "+", "metavar": "URL", "help": "worker URLs to register at start"},
+    ),
+    "--worker-kind": (
+        "worker_kind",
+        {"help": "kind of a worker whose URL has no #kind (auto, sglang, llamacpp, ...)"},
+    ),
+    "--policy": ("policy.name", {"help": "routing policy (default min_ttft); unknown → refused"}),
+    "--cache-threshold": (
+        "policy.cache_threshold",
+        {"type": float, "help": "cache_aware: minimum match rate for a prefix hit (0.3)"},
+    ),
+    "--balance-abs-threshold": (
+        "policy.balance_abs_threshold",
+        {"type": int, "help": "cache_aware: absolute load gap for imbalance (64)"},
+    ),
+    "--balance-rel-threshold": (
+        "policy.balance_rel_threshold",
+        {"type": float, "help": "cache_aware: relative load ratio for imbalance (1.5)"},
+    ),
+    "--eviction-interval-secs": (
+        "prefix_index.eviction_interval_s",
+        {"type": float, "help": "seconds between prefix index sweeps (60)"},
+    ),
+    "--max-tree-size": (
+        "prefix_index.max_tree_size",
+        {"type": int, "help": "indexed prompt characters per worker (67108864)"},
+    ),
+    "--max-idle-secs": (
+        "prefix_index.max_idle_s",
+        {"type": float, "help": "drop index entries idle this long (3600)"},
+    ),
+    "--slot-wait-secs": (
+        "prefix_index.slot_wait_s",
+        {"type": float, "help": "hold a request for a busy slot with its prefix (2; 0 off)"},
+    ),
+    "--kv-events": (
+        "kv_events.enabled",
+        {
+            "type": lambda v: v.lower() in ("1", "true", "yes", "on"),
+            "help": "exact mode: true to follow SGLang KV events (false)",
+        },
+    ),
+    "--kv-events-tokenizer": (
+        "kv_events.tokenizer",
+        {"help": "exact mode tokenizer: sim or hf:<dir> (sim)"},
+    ),
+    "--api-key": ("server.api_key", {"help": "require Authorization: Bearer KEY"}),
+    "--api-keys-file": ("server.api_keys_file", {"help": "more client keys, one a line"}),
+    "--admin-api-key": (
+        "server.admin_api_key",
+        {"help": "key for /workers, /debug, /dashboard (else they take the client keys)"},
+    ),
+    "--worker-api-key": (
+        "server.worker_api_key",
+        {
+            "help": "key sent to every worker as Authorization: Bearer KEY (default: "
+            "--api-key's; needs --admin-api-key)"
+        },
+    ),
+    "--worker-allowlist": (
+        "server.worker_allowlist",
+        {"nargs": "+", "metavar": "HOST_OR_CIDR", "help": "where POST /workers may point"},
+    ),
+    "--rate-limit-per-sec": (
+        "server.rate_limit_per_s",
+        {"type": float, "help": "requests per second per client key; 0 off (0)"},
+    ),
+    "--max-connections": (
+        "server.max_connections",
+        {"type": int, "help": "open client connections at most; 0 no cap (10000)"},
+    ),
+    "--connect-timeout-secs": (
+        "server.connect_timeout_s",
+        {"type": float, "help": "connecting to a worker (5)"},
+    ),
+    "--first-byte-timeout-secs": (
+        "server.first_byte_timeout_s",
+        {"type": float, "help": "worker's response head, then retry elsewhere; 0 off (0)"},
+    ),
+    "--stream-idle-timeout-secs": (
+        "server.stream_idle_timeout_s",
+        {"type": float, "help": "silence between streamed chunks; 0 off (120)"},
+    ),
+    "--shutdown-grace-secs": (
+        "server.shutdown_grace_s",
+        {"type": float, "help": "on SIGTERM, time for in-flight requests (30)"},
+    ),
+    "--request-timeout-secs": (
+        "server.request_timeout_s",
+        {"type": float, "help": "bound on one worker attempt (1800)"},
+    ),
+    "--health-check-interval-secs": (
+        "health.interval_s",
+        {"type": float, "help": "seconds between active probes (5)"},
+    ),
+    "--health-check-timeout-secs": (
+        "health.timeout_s",
+        {"type": float, "help": "probe timeout (2)"},
+    ),
+    "--health-failure-threshold": (
+        "health.failure_threshold",
+        {"type": int, "help": "consecutive failed probes to flag a worker (3)"},
+    ),
+    "--health-success-threshold": (
+        "health.success_threshold",
+        {"type": int, "help": "consecutive passed probes to clear it (2)"},
+    ),
+    "--health-check-endpoint": (
+        "health.endpoint",
+        {"help": "probe path (/health); /ping is cheaper on SGLang 0.5.23"},
+    ),
+    "--retry-max-retries": (
+        "retry.max_retries",
+        {"type": int, "help": "further attempts on other workers (3)"},
+    ),
+    "--max-concurrent-requests": (
+        "admission.max_concurrent_requests",
+        {"type": int, "help": "requests proxied at once; 0 or -1 unlimited (0)"},
+    ),
+    "--queue-size": (
+        "admission.queue_size",
+        {"type": int, "help": "requests waiting for a slot; more get 429 (100)"},
+    ),
+    "--queue-timeout-secs": (
+        "admission.queue_timeout_s",
+        {"type": float, "help": "wait for a slot before 503 (60)"},
+    ),
+    "--max-payload-size": (
+        "server.max_payload_size",
+        {"type": int, "help": "largest request body in bytes; more get 413 (64 MiB)"},
+    ),
+    "--request-id-headers": (
+        "server.request_id_headers",
+        {"nargs": "+", "metavar": "HEADER", "help": "headers naming the request id, in order"},
+    ),
+    "--log-level": ("server.log_level", {"help": "debug, info, warning, error (info)"}),
+    "--log-json": (
+        "server.log_json",
+        {"action": "store_true", "help": "log one JSON object per line (plain text)"},
+    ),
+    "--load-poll-interval-secs": (
+        "load.poll_interval_s",
+        {"type": float, "help": "seconds between engine load polls; 0 off (1)"},
+    ),
+    "--redis-url": (
+        "redis.url",
+        {"help": "share state with other gateways: redis://HOST:PORT/DB or rediss://"},
+    ),
+    "--redis-prefix": (
+        "redis.prefix",
+        {"help": "key prefix: gateways with the same URL and prefix share (prefix-gateway)"},
+    ),
+}
+_KEY_TO_FLAG = {key: flag for flag, (key, _) in _FLAGS.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefix-gateway",
+        description="Prefix-aware gateway for SGLang workers (sglang-router compatible flags).",
+    )
+    parser.add_argument("--config", metavar="PATH", help="YAML file (see config/gateway.yaml)")
+    for flag, (key, options) in _FLAGS.items():
+        if "action" not in options:  # store_true flags take no value
+            options.setdefault("metavar", "VALUE")
+        parser.add_argument(flag, dest=key, default=argparse.SUPPRESS, **options)
+    parser.add_argument(
+        "--policy-arg",
+        dest="policy_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra policy parameter (repeatable); VALUE is read as YAML (number, bool, str)",
+    )
+    return parser
+
+
+def _policy_params(pairs: Sequence[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"policy.params (--policy-arg): expected KEY=VALUE, got {pair!r}")
+        try:
+            params[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            params[key.strip()] = raw
+    return params
+
+
+def _name_flag(exc: ConfigError) -> str:
+    message = str(exc)
+    where, sep, problem = message.partition(":")
+    flag = _KEY_TO_FLAG.get(where.split("[", 1)[0])
+    return f"{where} ({flag}){sep}{problem}" if flag and sep else message
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+    """Flags and file → validated config; ConfigError names the key and flag."""
+    args = vars(build_parser().parse_args(argv))
+    config_path = args.pop("config", None)
+    policy_args = args.pop("policy_args", [])
+    base = read_yaml(config_path) if config_path else {}
+    overrides: dict[str, Any] = dict(args)
+    if policy_args:
+        overrides["policy.params"] = _policy_params(policy_args)
+    try:
+        config = config_from_dict(merge(base, overrides))
+        from gateway.app import make_policy
+
+        make_policy(config.policy)  # refuse bad policy parameters before starting
+        return config
+    except ConfigError as exc:
+        raise ConfigError(_name_flag(exc)) from None
+
+
+def configure_logging(server: ServerConfig, stream: IO[str] | None = None) -> logging.Handler:
+    """The root logger's handler for ``server.log_level`` and ``server.log_json``."""
+    name = "WARNING" if server.log_level.lower() == "warn" else server.log_level.upper()
+    return setup_logging(name, json=server.log_json, stream=stream)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"prefix-gateway: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.server)
+    from gateway.http.handlers import serve
+
+    with (
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        contextlib.suppress(KeyboardInterrupt),
+    ):
+        runner.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Worker administration, compatible with sglang-router's API.
+
+Contract:
+- ``POST /workers {"url": ..., "kind": ...}``: validates the URL (http/https, host, port;
+  else 400) and the optional kind (``sglang``, ``llamacpp``, ``vllm``, ``openai``, ``auto``;
+  a ``url#kind`` suffix works too; absent: the ``worker_kind`` setting), registers the
+  worker, probes it once at once, and answers 201 with its live state (200 if it was
+  already registered).
+- ``GET /workers``: every worker's live state; ``GET /workers/{id}``: one (404 if unknown);
+  ``DELETE /workers/{id}``: removes it (in-flight requests finish; the prefix index and
+  cost model forget it). ``{id}`` may also be the worker's URL, percent-encoded.
+- Adding refuses (403) a URL whose host is outside ``server.worker_allowlist``.
+- ``POST /workers/{id}/drain``: no new requests go there; in-flight ones finish (202).
+- Legacy: ``POST /add_worker?url=``, ``POST /remove_worker?url=``, ``GET /list_workers``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway import app_keys
+from gateway.config import validate_worker_url
+from gateway.errors import GatewayError
+from gateway.workers.allowlist import HostAllowList, NotAllowed
+from gateway.workers.kinds import configured_kind, parse_worker_spec
+from gateway.workers.registry import HealthFlag, Worker
+
+ALLOWLIST = web.AppKey("worker_allowlist", HostAllowList)  # set by gateway.app
+
+
+async def _allowed(app: web.Application, url: str) -> None:
+    """403 unless ``url``'s host is in the worker allow-list (no SSRF via the admin API)."""
+    allow = app.get(ALLOWLIST)
+    if allow is not None:
+        try:
+            await allow.check(url)
+        except NotAllowed as exc:
+            raise GatewayError(403, str(exc), param="url") from None
+
+
+def _json(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
+
+
+def _url_from(value: object) -> str:
+    try:
+        return validate_worker_url(value)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), param="url") from None
+
+
+def _spec_from(value: object, kind: object) -> tuple[str, str | None, bool]:
+    """(url, kind, kind given): ``value`` may end in ``#kind``; ``kind`` overrides it."""
+    spec = value if isinstance(value, str) else ""
+    if kind is not None:
+        if not isinstance(kind, str):
+            raise GatewayError(400, "'kind' must be a string", param="kind")
+        spec = f"{spec.partition('#')[0]}#{kind}"
+    try:
+        url, parsed = parse_worker_spec(spec) if spec else (value, None)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), param="kind") from None
+    return _url_from(url), parsed, "#" in spec
+
+
+def _worker(request: web.Request) -> Worker:
+    wid = request.match_info["worker_id"]
+    worker = request.app[app_keys.REGISTRY].find(wid)
+    if worker is None:
+        raise GatewayError(404, f"no worker {wid!r}")
+    return worker
+
+
+async def _add(request: web.Request, raw_url: object, kind: object = None) -> web.Response:
+    url, parsed, given = _spec_from(raw_url, kind)
+    app = request.app
+    if not given:
+        parsed = configured_kind(app[app_keys.CONFIG].worker_kind)
+    await _allowed(app, url)
+    worker, created = app[app_keys.REGISTRY].add(url, parsed)
+    if created:
+        await app[app_keys.HEALTH].check_now(worker)
+    return _json(worker.describe(time.monotonic()), 201 if created else 200)
+
+
+async def post_workers(request: web.Request) -> web.Response:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise GatewayError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict) or "url" not in body:
+        raise GatewayError(400, "expected a JSON object with a 'url'", param="url")
+    return await _add(request, body["url"], body.get("kind"))
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    now = time.monotonic()
+    workers = [w.describe(now) for w in request.app[app_keys.REGISTRY]]
+    return _json({"workers": workers, "total": len(workers)})
+
+
+async def get_worker(request: web.Request) -> web.Response:
+    return _json(_worker(request).describe(time.monotonic()))
+
+
+async def delete_worker(request: web.Request) -> web.Response:
+    worker = _worker(request)
+    request.app[app_keys.REGISTRY].remove(worker.id)
+    return _json({"removed": worker.id, "url": worker.url})
+
+
+async def drain_worker(request: web.Request) -> web.Response:
+    worker = _worker(request)
+    worker.flags.add(HealthFlag.DRAINING)
+    return _json(worker.describe(time.monotonic()), 202)
+
+
+async def legacy_add(request: web.Request) -> web.Response:
+    return await _add(request, request.query.get("url"))
+
+
+async def legacy_remove(request: web.Request) -> web.Response:
+    url = _url_from(request.query.get("url"))
+    registry = request.app[app_keys.REGISTRY]
+    worker = registry.find(url)
+    if worker is None:
+        raise GatewayError(404, f"no worker {url!r}")
+    registry.remove(worker.id)
+    return _json({"removed": worker.id, "url": worker.url})
+
+
+async def legacy_list(request: web.Request) -> web.Response:
+    return _json({"urls": [w.url for w in request.app[app_keys.REGISTRY]]})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/workers", post_workers)
+    app.router.add_get("/workers", list_workers)
+    app.router.add_get("/workers/{worker_id}", get_worker)
+    app.router.add_delete("/workers/{worker_id}", delete_worker)
+    app.router.add_post("/workers/{worker_id}/drain", drain_worker)
+    app.router.add_post("/add_worker", legacy_add)
+    app.router.add_post("/remove_worker", legacy_remove)
+    app.router.add_get("/list_workers", legacy_list)

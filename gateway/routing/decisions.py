@@ -1,0 +1,173 @@
+"""Decision records: why each request went where it went, kept in a bounded ring.
+
+A :class:`DecisionRecord` is made by the router right after ``policy.select`` (from the
+policy's :class:`~policies.base.Decision` and the candidates it saw) and added to the
+:class:`DecisionLog`. Its :attr:`DecisionRecord.outcome` is filled in once the request
+is over (status, TTFT, the worker's reported cached tokens, retries), so the ring shows
+the prediction next to what the worker then reported.
+
+Contract: a record never holds prompt text, only counts, ids and scores. The log holds at
+most ``capacity`` records; the oldest are dropped first. Both are used from the event
+loop's thread only (no locking).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from policies.base import Decision, WorkerView
+
+DEFAULT_CAPACITY = 1024
+
+
+class CandidateScore(NamedTuple):
+    """One candidate as the policy saw it: matched prefix tokens and its score (if any).
+
+    A named tuple: one is built per candidate per request, and a tuple is the cheapest
+    immutable record Python has (a frozen dataclass costs ~3x more to construct)."""
+
+    worker: str
+    matched_tokens: int
+    score: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form; a non-finite score becomes ``None``."""
+        score = self.score if self.score is not None and math.isfinite(self.score) else None
+        return {"worker": self.worker, "matched_tokens": self.matched_tokens, "score": score}
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionOutcome:
+    """What happened to the request after the decision."""
+
+    status: int
+    ttft_s: float | None = None
+    reported_cached_tokens: int | None = None  # None: the worker did not report
+    retries: int = 0
+    duration_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "status": self.status,
+            "ttft_s": self.ttft_s,
+            "reported_cached_tokens": self.reported_cached_tokens,
+            "retries": self.retries,
+            "duration_s": self.duration_s,
+        }
+
+
+@dataclass(slots=True)
+class DecisionRecord:
+    """One routing decision. Mutable only in :attr:`outcome`, set once at the end."""
+
+    time: float  # wall clock, seconds since the epoch
+    request_id: str
+    policy: str
+    worker: str
+    reason: str
+    candidates: tuple[CandidateScore, ...]
+    prompt_tokens: int = 0  # estimated
+    matched_tokens: int = 0  # the chosen worker's predicted cached prefix
+    model: str | None = None
+    outcome: DecisionOutcome | None = None
+    index_mode: str | None = None  # exact / approximate / degraded for the chosen worker
+    slot_wait_s: float | None = (
+        None  # held for a busy slot (``gateway.routing.slot_gate``), seconds
+    )
+
+    @classmethod
+    def from_decision(
+        cls,
+        *,
+        request_id: str,
+        policy: str,
+        decision: Decision,
+        candidates: Sequence[WorkerView],
+        prompt_tokens: int,
+        model: str | None = None,
+        now: float | None = None,
+    ) -> DecisionRecord:
+        """Build a record from a policy's decision and the candidates it was given."""
+        scores: Mapping[str, float] = decision.scores
+        cands = tuple(CandidateScore(c.id, c.matched_tokens, scores.get(c.id)) for c in candidates)
+        matched = next((c.matched_tokens for c in candidates if c.id == decision.worker_id), 0)
+        return cls(
+            time=time.time() if now is None else now,
+            request_id=request_id,
+            policy=policy,
+            worker=decision.worker_id,
+            reason=decision.reason,
+            candidates=cands,
+            prompt_tokens=prompt_tokens,
+            matched_tokens=matched,
+            model=model,
+        )
+
+    @property
+    def match_ratio(self) -> float:
+        """Predicted cached share of the prompt, in [0, 1]."""
+        if self.prompt_tokens <= 0:
+            return 0.0
+        return min(1.0, self.matched_tokens / self.prompt_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, as served by ``/debug/decisions``."""
+        return {
+            "time": self.time,
+            "request_id": self.request_id,
+            "model": self.model,
+            "policy": self.policy,
+            "worker": self.worker,
+            "reason": self.reason,
+            "prompt_tokens": self.prompt_tokens,
+            "matched_tokens": self.matched_tokens,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "outcome": None if self.outcome is None else self.outcome.to_dict(),
+        } | (
+            ({} if self.index_mode is None else {"index_mode": self.index_mode})
+            | ({} if self.slot_wait_s is None else {"slot_wait_s": self.slot_wait_s})
+        )
+
+
+class DecisionSource(Protocol):
+    """Anything that can list recent decisions, newest first."""
+
+    def latest(self, limit: int) -> Sequence[DecisionRecord]:
+        """At most ``limit`` records, newest first."""
+        ...
+
+
+class DecisionLog:
+    """A bounded ring of :class:`DecisionRecord`, newest last internally."""
+
+    __slots__ = ("_ring",)
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"decision log capacity must be >= 1, got {capacity}")
+        self._ring: deque[DecisionRecord] = deque(maxlen=capacity)
+
+    @property
+    def capacity(self) -> int:
+        """The most records kept."""
+        maxlen = self._ring.maxlen
+        assert maxlen is not None
+        return maxlen
+
+    def add(self, record: DecisionRecord) -> None:
+        """Keep ``record``; drops the oldest when full. O(1)."""
+        self._ring.append(record)
+
+    def latest(self, limit: int) -> list[DecisionRecord]:
+        """At most ``limit`` records, newest first."""
+        return list(itertools.islice(reversed(self._ring), max(0, limit)))
+
+    def __len__(self) -> int:
+        return len(self._ring)

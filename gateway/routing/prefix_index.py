@@ -1,0 +1,535 @@
+"""Which worker is believed to hold which prompt blocks: match / record / forget / correct.
+
+Structure (after llm-d's approximate prefix indexer):
+- a flat map ``block hash → bitmask of workers`` believed to hold that block (each worker
+  owns one bit; a bit is reused after the worker is forgotten);
+- per worker, an LRU of its block hashes (``OrderedDict``: front = least recently used,
+  value = time of last touch) bounded by the worker's capacity in blocks.
+Blocks are chained hashes (``gateway.routing.hashing``): a hit on block ``i`` implies the prefix.
+
+Memory is bounded whatever the traffic: every block entry belongs to some worker's LRU,
+and each LRU is trimmed to its capacity on every ``record``. Capacity per worker:
+``ceil(max_total_num_tokens / block_tokens)`` blocks (``set_capacity``), else
+``default_capacity_blocks``; both capped by ``max_blocks_per_worker``. Measured cost per
+indexed block is in BENCHMARKS.md ("Prefix index cost"); ``IndexStats.approx_bytes`` uses
+that figure.
+
+Flags of sglang-router and their meaning here:
+- ``--max-tree-size`` counts *characters per worker* in sglang-router's radix tree; here
+  it becomes ``max_blocks_per_worker = max_tree_size // block_chars`` (its default,
+  67,108,864 characters, is 1,048,576 blocks of 64: far above a worker's real capacity,
+  so the engine-derived capacity normally binds).
+- ``--eviction-interval-secs`` is, in sglang-router, the period of the background job that
+  trims each worker's tree to ``max_tree_size``. Capacity is enforced on every ``record``
+  here, so no such job is needed; instead the gateway calls ``evict_idle(now,
+  max_idle_s)`` every ``eviction_interval_secs`` to drop blocks nobody has touched for
+  ``max_idle_s`` seconds (entries that old are the first an engine under pressure evicts,
+  and the ones a restarted engine has lost).
+
+Sequence bound (optional, per worker: ``set_capacity(..., max_sequences=n)``): a worker
+that keeps a fixed number of prompts rather than tokens (llama.cpp with its RAM prompt
+cache off keeps one per slot) is also bounded by ``n`` *sequences*: the chains recorded
+there, kept in an LRU keyed by their last block. A new chain takes over the held one with
+which it shares the longest prefix when that exceeds ``_REUSE_SHARE`` of its blocks
+(llama.cpp reuses the slot most similar to the prompt, above 10 %), else it is added and
+the least recently used chain is evicted beyond ``n``. A chain dropped so loses only its
+blocks beyond what the worker's other chains share with it. Such a worker holds the very
+prompt it just answered, so ``correct`` does not trim it; a shortfall there means the
+prompt ran in another slot than the one believed to hold it (busy with a sibling, or long
+overwritten), so when all slots are believed in use, the least recently used other chain
+is dropped: the engine overwrote its least recently used idle slot.
+
+Pins (after the engine's lock on a running request's path): a recording is *in flight*
+until ``correct`` reports its response complete, and meanwhile its blocks are pinned
+(``pins``, a count per block) rather than in the LRU, so newer recordings evict other
+blocks first, as SGLang's radix cache never evicts a locked path. On completion the
+blocks held by no other in-flight recording join the LRU as most recently used (SGLang
+touches the whole path when it caches the finished request). Measured on the Mooncake
+conversation trace replay (BENCHMARKS.md, "Policy tuning"): responses stay in flight
+about 20 s against a cache turnover of about 30 s, so ageing blocks from dispatch
+dropped prefixes still locked on the worker. Bounds: pinned blocks count toward the
+capacity; when pins alone exceed it (more in flight than the pool can lock, i.e. queued
+requests) the oldest recordings are released first; a recording never released (an
+error without usage) expires after ``pin_ttl_s``, and beyond ``_MAX_INFLIGHT`` recordings
+per worker the oldest is released at once (each holds its block list: the bound on their
+memory). A peer gateway's recordings are not pinned (``record(..., pin=False)``): this
+index never hears when they end.
+Sequence-bounded workers are not pinned.
+
+Recording order and invariant: a prompt's blocks are touched deepest first, so its first
+block is the most recently used and LRU eviction removes a chain from its tail, as the
+engine's radix cache evicts leaves first. Hence each worker's believed blocks are
+*prefix-closed* (if it holds block i of a chain it holds blocks 0..i), like the engine's
+cache itself, and ``match`` finds each worker's match length by bisection instead of
+visiting every block. Only a correction can break closure (trimming a chain also cuts
+siblings that share the trimmed blocks); ``match`` may then over-estimate such a
+sibling until its own report trims it: never below the exact answer, and self-healing.
+
+Correction: when a worker reports fewer cached tokens than predicted, its entries for
+that prompt beyond the real match are dropped, unless a recording within
+``correction_grace_s`` started adding blocks right where the real match ends (then the
+shortfall is explained by a sibling still in prefill on that worker, not by eviction;
+each recording remembers only its first new block, so this costs one entry per
+recording). ``correction_tolerance`` absorbs the error of the characters-per-token
+estimate. Predicted and reported cached tokens are counted per worker: the index's
+fidelity.
+
+Not thread-safe; used from one event loop (or one replay) only. Times are seconds on one
+monotonic clock (``time.monotonic`` unless the caller passes ``now``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+# Bytes per indexed block for one holder (map entry + LRU entry + int key), measured by
+# ``python -m loadtests.micro.index`` with tracemalloc; see BENCHMARKS.md.
+APPROX_BYTES_PER_BLOCK = 190
+# Bound on remembered recent insertion points per worker (one per recording, not per block).
+_MAX_FRESH = 4096
+# A chain takes over a held one sharing more than this share of its blocks (llama.cpp's
+# default slot_prompt_similarity).
+_REUSE_SHARE = 0.1
+# Bound on in-flight recordings per worker (each holds its block list): far above what one
+# worker runs at once; past it the oldest is released, whatever its age.
+_MAX_INFLIGHT = 4096
+# A recording not released by ``correct`` or ``release`` within this many seconds stops
+# pinning its blocks (a response whose end was never reported, e.g. a lost task).
+DEFAULT_PIN_TTL_S = 300.0
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading blocks two chains share; chained hashes make equality prefix-closed."""
+    n = min(len(a), len(b))
+    return bisect_left(range(n), True, key=lambda i: a[i] != b[i])
+
+
+def _loses_any(get: Callable[[int, int], int], hashes: Sequence[int], alive: int, i: int) -> bool:
+    """True when some worker of ``alive`` does not hold block ``i``."""
+    return get(hashes[i], 0) & alive != alive
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    blocks: int
+    approx_bytes: int
+    predicted_tokens: int
+    reported_tokens: int
+
+
+@dataclass(slots=True)
+class _WorkerBlocks:
+    bit: int
+    capacity: int  # blocks
+    lru: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    # first newly inserted block of each recent recording -> time (see ``correct``)
+    fresh: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    predicted_tokens: int = 0
+    reported_tokens: int = 0
+    max_sequences: int | None = None  # None: bounded by blocks only
+    # last block of each held chain -> the chain (LRU: front = least recently recorded)
+    sequences: OrderedDict[int, tuple[int, ...]] = field(default_factory=OrderedDict)
+    # blocks of in-flight recordings (see "Pins"): block -> recordings holding it; a block
+    # is either here or in ``lru``, never both
+    pins: dict[int, int] = field(default_factory=dict)
+    # in-flight recordings, oldest first: sequence number -> (chain, time recorded)
+    inflight: OrderedDict[int, tuple[Sequence[int], float]] = field(default_factory=OrderedDict)
+    # last block of an in-flight chain -> its recordings' sequence numbers, oldest first
+    inflight_by_leaf: dict[int, list[int]] = field(default_factory=dict)
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        block_tokens: float = 16.0,
+        default_capacity_blocks: int = 26_250,
+        max_blocks_per_worker: int | None = None,
+        *,
+        correction_tolerance: float = 0.25,
+        correction_grace_s: float = 10.0,
+        pin_ttl_s: float = DEFAULT_PIN_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # 26,250 blocks x 16 tokens = 420k tokens: one H100-80GB worker's KV for an 8B
+        # model (PERFORMANCE.md section 3), the capacity assumed before a worker reports.
+        if block_tokens <= 0 or default_capacity_blocks <= 0:
+            raise ValueError("block_tokens and default_capacity_blocks must be positive")
+        if max_blocks_per_worker is not None and max_blocks_per_worker <= 0:
+            raise ValueError("max_blocks_per_worker must be positive")
+        self._block_tokens = block_tokens
+        self._default_capacity = default_capacity_blocks
+        self._max_blocks = max_blocks_per_worker
+        self._tolerance = correction_tolerance
+        self._grace_s = correction_grace_s
+        self._pin_ttl_s = pin_ttl_s
+        self._seq = 0  # numbers in-flight recordings
+        self._clock = clock
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of workers
+        self._workers: dict[str, _WorkerBlocks] = {}
+        self._names: dict[int, str] = {}  # bit -> worker id
+        self._free_bits: list[int] = []
+        self._next_bit = 1
+
+    # --- configuration ---------------------------------------------------------------
+
+    def set_capacity(
+        self, worker_id: str, capacity_tokens: int, max_sequences: int | None = None
+    ) -> None:
+        """Bound the worker's LRU from its ``max_total_num_tokens``.
+
+        blocks = ceil(capacity_tokens / block_tokens): e.g. 420,000 tokens / 16 = 26,250
+        blocks; capped by ``max_blocks_per_worker``. Shrinking evicts at once.
+        ``max_sequences`` (> 0) also bounds it by chains (see "Sequence bound"); setting it
+        on a worker whose blocks were recorded without the bound forgets those blocks (no
+        chain is known for them), and None removes the bound.
+        """
+        state = self._state(worker_id)
+        state.capacity = self._cap(max(1, math.ceil(capacity_tokens / self._block_tokens)))
+        self._evict_over_capacity(state)
+        if max_sequences is not None and max_sequences <= 0:
+            raise ValueError("max_sequences must be positive")
+        if max_sequences is not None and state.max_sequences is None:
+            for h in state.lru:
+                self._clear(h, state.bit)
+            for h in state.pins:
+                self._clear(h, state.bit)
+            state.lru.clear()
+            state.fresh.clear()
+            state.pins.clear()
+            state.inflight.clear()
+            state.inflight_by_leaf.clear()
+        elif max_sequences is None:
+            state.sequences.clear()
+        state.max_sequences = max_sequences
+        while max_sequences is not None and len(state.sequences) > max_sequences:
+            self._drop_sequence(state, next(iter(state.sequences)))
+
+    def _cap(self, blocks: int) -> int:
+        return blocks if self._max_blocks is None else min(blocks, self._max_blocks)
+
+    def _state(self, worker_id: str) -> _WorkerBlocks:
+        state = self._workers.get(worker_id)
+        if state is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit, self._next_bit = self._next_bit, self._next_bit << 1
+            state = _WorkerBlocks(bit, self._cap(self._default_capacity))
+            self._workers[worker_id] = state
+            self._names[bit] = worker_id
+        return state
+
+    # --- match / record --------------------------------------------------------------
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Worker id → number of leading blocks of ``block_hashes`` it holds (if > 0).
+
+        Each worker's believed blocks are prefix-closed (see "Invariant" in the module
+        docstring), so the set of workers holding *all* of blocks ``0..i`` only shrinks
+        with ``i`` and its change points are found by bisection: O(w log n) lookups for
+        w workers, instead of one lookup per block. Stops at once when nobody holds
+        block 0.
+        """
+        n = len(block_hashes)
+        if n == 0:
+            return {}
+        get = self._holders.get
+        alive = get(block_hashes[0], 0)
+        result: dict[str, int] = {}
+        pos = 1
+        while alive:
+            end = bisect_left(
+                range(n), True, lo=pos, key=partial(_loses_any, get, block_hashes, alive)
+            )
+            remaining = get(block_hashes[end], 0) & alive if end < n else 0
+            gone = alive & ~remaining
+            while gone:
+                low = gone & -gone
+                result[self._names[low]] = end
+                gone ^= low
+            alive, pos = remaining, end + 1
+        return result
+
+    def record(
+        self,
+        block_hashes: Sequence[int],
+        worker_id: str,
+        now: float | None = None,
+        *,
+        pin: bool = True,
+    ) -> None:
+        """Believe ``worker_id`` holds these blocks (called at dispatch); refresh its LRU.
+        ``pin=False`` for a recording whose end this index will never hear of (a peer
+        gateway's, a snapshot's): its blocks go straight into the LRU."""
+        if not block_hashes:
+            return
+        state = self._state(worker_id)
+        t = self._clock() if now is None else now
+        lru, holders, bit = state.lru, self._holders, state.bit
+        first_new: int | None = None
+        if state.max_sequences is None and pin:
+            # pinned until ``correct`` releases this recording (see "Pins"); deepest block
+            # first, so the chain's first new block is the shallowest
+            pins = state.pins
+            for h in reversed(block_hashes):
+                c = pins.get(h)
+                if c is not None:
+                    pins[h] = c + 1
+                    continue
+                if lru.pop(h, None) is None:
+                    holders[h] = holders.get(h, 0) | bit
+                    first_new = h
+                pins[h] = 1
+            self._seq += 1
+            state.inflight[self._seq] = (block_hashes, t)
+            state.inflight_by_leaf.setdefault(block_hashes[-1], []).append(self._seq)
+            self._expire_pins(state, t)
+        else:
+            # Deepest block first, so block 0 ends up the most recently used. A plain
+            # loop: measured faster than OrderedDict.update + move_to_end driven from C.
+            for h in reversed(block_hashes):
+                if h in lru:
+                    lru.move_to_end(h)
+                    lru[h] = t
+                else:
+                    lru[h] = t
+                    holders[h] = holders.get(h, 0) | bit
+                    first_new = h
+        if first_new is not None:
+            # where this prompt starts adding to the worker: a sibling routed there while
+            # this one is still in prefill will report a cache miss from here on
+            state.fresh[first_new] = t
+            state.fresh.move_to_end(first_new)
+        self._prune_fresh(state, t)
+        if state.max_sequences is not None:
+            self._hold_sequence(state, tuple(block_hashes), state.max_sequences)
+        self._evict_over_capacity(state)
+
+    def _hold_sequence(self, state: _WorkerBlocks, chain: tuple[int, ...], bound: int) -> None:
+        """Track ``chain`` among the worker's held chains (see "Sequence bound")."""
+        sequences, leaf = state.sequences, chain[-1]
+        if leaf in sequences:
+            sequences.move_to_end(leaf)
+            return
+        replaced, shared = None, 0
+        for key, held in sequences.items():
+            common = _common_prefix(held, chain)
+            if common > shared:
+                replaced, shared = key, common
+        sequences[leaf] = chain
+        if replaced is not None and shared > _REUSE_SHARE * len(chain):
+            self._drop_sequence(state, replaced)
+        while len(sequences) > bound:
+            self._drop_sequence(state, next(iter(sequences)))
+
+    def _slot_taken(self, state: _WorkerBlocks, leaf: int, bound: int) -> None:
+        """A slot-bound worker missed a prompt believed held: it ran it in another slot
+        (the believed one was busy with a sibling, or long gone), so with every slot
+        believed in use the least recently used other chain is the one it overwrote."""
+        if len(state.sequences) < bound:
+            return  # it had an empty slot
+        victim = next((k for k in state.sequences if k != leaf), None)
+        if victim is not None:
+            self._drop_sequence(state, victim)
+
+    def _drop_sequence(self, state: _WorkerBlocks, leaf: int) -> None:
+        """Forget one held chain's blocks beyond what the other held chains share."""
+        chain = state.sequences.pop(leaf)
+        keep = max((_common_prefix(chain, other) for other in state.sequences.values()), default=0)
+        lru = state.lru
+        for h in chain[keep:]:
+            if lru.pop(h, None) is not None:
+                state.fresh.pop(h, None)
+                self._clear(h, state.bit)
+
+    def _prune_fresh(self, state: _WorkerBlocks, now: float) -> None:
+        fresh, horizon = state.fresh, now - self._grace_s
+        while fresh and (len(fresh) > _MAX_FRESH or next(iter(fresh.values())) < horizon):
+            fresh.popitem(last=False)
+
+    def _evict_over_capacity(self, state: _WorkerBlocks) -> None:
+        lru, pins, inflight = state.lru, state.pins, state.inflight
+        # the engine cannot lock more than its pool: release the oldest recordings first
+        while len(pins) > state.capacity and inflight:
+            self._release(state, next(iter(inflight)), None)
+        while lru and len(lru) + len(pins) > state.capacity:
+            h, _ = lru.popitem(last=False)
+            self._clear(h, state.bit)
+
+    def _release(self, state: _WorkerBlocks, seq: int, now: float | None) -> None:
+        """Unpin one in-flight recording: its blocks held by no other in-flight recording
+        join the LRU as most recently used, deepest first (as the engine touches the whole
+        path when the request finishes); ``now`` None keeps its recording time."""
+        chain, t = state.inflight.pop(seq)
+        seqs = state.inflight_by_leaf[chain[-1]]
+        seqs.remove(seq)
+        if not seqs:
+            del state.inflight_by_leaf[chain[-1]]
+        t = t if now is None else now
+        lru, pins = state.lru, state.pins
+        for h in reversed(chain):
+            c = pins.get(h)
+            if c is None:
+                continue
+            if c > 1:
+                pins[h] = c - 1
+            else:
+                del pins[h]
+                lru[h] = t
+
+    def _expire_pins(self, state: _WorkerBlocks, now: float) -> None:
+        inflight, horizon = state.inflight, now - self._pin_ttl_s
+        while inflight and (
+            len(inflight) > _MAX_INFLIGHT or next(iter(inflight.values()))[1] < horizon
+        ):
+            self._release(state, next(iter(inflight)), None)
+
+    def _clear(self, h: int, bit: int) -> None:
+        mask = self._holders.get(h, 0) & ~bit
+        if mask:
+            self._holders[h] = mask
+        else:
+            self._holders.pop(h, None)
+
+    # --- forget / correct / evict ----------------------------------------------------
+
+    def forget_worker(self, worker_id: str) -> None:
+        state = self._workers.pop(worker_id, None)
+        if state is None:
+            return
+        for h in state.lru:
+            self._clear(h, state.bit)
+        for h in state.pins:
+            self._clear(h, state.bit)
+        del self._names[state.bit]
+        self._free_bits.append(state.bit)
+
+    def release(
+        self, worker_id: str, block_hashes: Sequence[int], now: float | None = None
+    ) -> None:
+        """The response for this recording ended without a cached-token report: unpin it
+        (the engine unlocks the path) without correcting anything. Without this, such
+        recordings stay pinned, and their block lists held, until the pin expires."""
+        state = self._workers.get(worker_id)
+        if state is None or state.max_sequences is not None or not block_hashes:
+            return
+        seqs = state.inflight_by_leaf.get(block_hashes[-1])
+        if seqs:
+            self._release(state, seqs[0], self._clock() if now is None else now)
+
+    def correct(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[int],
+        predicted_blocks: int,
+        reported_tokens: int,
+        now: float | None = None,
+    ) -> None:
+        """Feed back the worker's reported ``cached_tokens`` for a prompt (see module)."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return
+        predicted_blocks = max(0, min(predicted_blocks, len(block_hashes)))
+        reported_tokens = max(0, reported_tokens)
+        state.predicted_tokens += int(predicted_blocks * self._block_tokens)
+        state.reported_tokens += reported_tokens
+        if state.max_sequences is not None:
+            real_blocks = reported_tokens / self._block_tokens * (1.0 + self._tolerance)
+            if block_hashes and int(real_blocks) < predicted_blocks:
+                self._slot_taken(state, block_hashes[-1], state.max_sequences)
+            return  # it holds this prompt now (see "Sequence bound")
+        t = self._clock() if now is None else now
+        seqs = state.inflight_by_leaf.get(block_hashes[-1]) if block_hashes else None
+        if seqs:  # the response is complete: the engine unlocks (and touches) its path
+            self._release(state, seqs[0], t)
+        real = reported_tokens / self._block_tokens
+        keep = int(real * (1.0 + self._tolerance))
+        if keep >= predicted_blocks:
+            return
+        if self._recently_extended(state, block_hashes, real, predicted_blocks, t):
+            return  # a sibling recorded moments ago is still in prefill there
+        lru = state.lru
+        for h in block_hashes[keep:]:
+            if lru.pop(h, None) is not None:
+                state.fresh.pop(h, None)
+                self._clear(h, state.bit)
+
+    def _recently_extended(
+        self, state: _WorkerBlocks, hashes: Sequence[int], real: float, limit: int, now: float
+    ) -> bool:
+        """Did a recording within the grace period start adding blocks where the real
+        match ends (within the tolerance of the token estimate)?"""
+        fresh = state.fresh
+        if not fresh:
+            return False
+        lo = max(0, int(real * (1.0 - self._tolerance)) - 1)
+        hi = min(limit, int(real * (1.0 + self._tolerance)) + 2)
+        for h in hashes[lo:hi]:
+            inserted = fresh.get(h)
+            if inserted is not None and now - inserted < self._grace_s:
+                return True
+        return False
+
+    def evict_idle(self, now: float, max_idle_s: float) -> int:
+        """Drop blocks untouched for ``max_idle_s`` seconds; return how many were dropped."""
+        if max_idle_s <= 0 or math.isinf(max_idle_s):
+            return 0
+        horizon, dropped = now - max_idle_s, 0
+        for state in self._workers.values():
+            self._expire_pins(state, now)
+            lru = state.lru
+            while lru and next(iter(lru.values())) < horizon:
+                h, _ = lru.popitem(last=False)
+                state.fresh.pop(h, None)
+                self._clear(h, state.bit)
+                dropped += 1
+        return dropped
+
+    # --- introspection ---------------------------------------------------------------
+
+    def stats(self, worker_id: str) -> IndexStats:
+        state = self._workers.get(worker_id)
+        if state is None:
+            return IndexStats(0, 0, 0, 0)
+        blocks = len(state.lru) + len(state.pins)
+        return IndexStats(
+            blocks, blocks * APPROX_BYTES_PER_BLOCK, state.predicted_tokens, state.reported_tokens
+        )
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def blocks(self, worker_id: str) -> list[int]:
+        """The worker's believed blocks, most recently used first (a snapshot for
+        ``gateway.peers.state``: recording them in this order rebuilds the LRU)."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return []
+        # pinned (in-flight) blocks first; reversed insertion puts a chain's root first
+        return [*reversed(state.pins), *reversed(state.lru)]
+
+    def free_sequences(self, worker_id: str) -> int | None:
+        """Chains the worker can still take without evicting one (None: no sequence bound)."""
+        state = self._workers.get(worker_id)
+        if state is None or state.max_sequences is None:
+            return None
+        return max(0, state.max_sequences - len(state.sequences))
+
+    def held_sequences(self, worker_id: str) -> list[tuple[int, ...]] | None:
+        """The prompt chains a sequence-bounded worker is believed to hold, least recently
+        used first (None: no sequence bound)."""
+        state = self._workers.get(worker_id)
+        if state is None or state.max_sequences is None:
+            return None
+        return list(state.sequences.values())
+
+    def capacity_blocks(self, worker_id: str) -> int:
+        """The worker's LRU bound in blocks (the default for an unknown worker)."""
+        state = self._workers.get(worker_id)
+        return state.capacity if state is not None else self._cap(self._default_capacity)

@@ -1,0 +1,121 @@
+"""Parsers of SGLang's replies: ``/server_info`` metadata and the load answers.
+
+Contract: pure functions from a worker's reply (parsed JSON or raw bytes) to what the
+gateway keeps (:class:`~gateway.workers.registry.WorkerMetadata`, an
+:class:`~policies.base.EngineLoad` with the capacity if told); None (or defaults) for a
+shape they do not understand, never an exception. The worker kinds (``kinds``) call them;
+health probes and the load poller read through the kinds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.workers.registry import WorkerMetadata
+from policies.base import EngineLoad
+
+LoadReading = tuple[EngineLoad, int | None]  # load, capacity in tokens (None: not told)
+
+
+def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
+    """Model, KV capacity and page size from a ``/server_info`` body (any release)."""
+    model = info.get("served_model_name") or info.get("model_path")
+    capacity = info.get("max_total_num_tokens")
+    if not isinstance(capacity, int):
+        states = info.get("internal_states")
+        if isinstance(states, list) and states and isinstance(states[0], Mapping):
+            capacity = states[0].get("max_total_num_tokens")
+    page = info.get("page_size")
+    return WorkerMetadata(
+        model=model if isinstance(model, str) else None,
+        capacity_tokens=capacity if isinstance(capacity, int) and capacity > 0 else None,
+        page_size=page if isinstance(page, int) and page > 0 else None,
+    )
+
+
+def _num(entry: Mapping[str, Any], key: str) -> float:
+    value = entry.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def parse_v1_loads(body: Any) -> tuple[EngineLoad, int | None] | None:
+    """``/v1/loads`` JSON → (load, max_total_num_tokens), or None if not that shape."""
+    loads = body.get("loads") if isinstance(body, dict) else None
+    if not isinstance(loads, list) or not loads:
+        return None
+    entries = [e for e in loads if isinstance(e, dict)]
+    uncached = [
+        e["num_waiting_uncached_tokens"]
+        for e in entries
+        if isinstance(e.get("num_waiting_uncached_tokens"), int)
+    ]
+    capacity = sum(int(_num(e, "max_total_num_tokens")) for e in entries)
+    load = EngineLoad(
+        running_requests=int(sum(_num(e, "num_running_reqs") for e in entries)),
+        waiting_requests=int(sum(_num(e, "num_waiting_reqs") for e in entries)),
+        waiting_uncached_tokens=sum(uncached) if uncached else None,
+        token_usage=max((_num(e, "token_usage") for e in entries), default=0.0),
+    )
+    return load, capacity or None
+
+
+def parse_get_load(body: Any) -> EngineLoad | None:
+    """``/get_load`` list form (0.5.5-0.5.18). The 0.4 ``{"load": n}`` form is too coarse."""
+    if not isinstance(body, list) or not body:
+        return None
+    entries = [e for e in body if isinstance(e, dict)]
+    if not entries or "num_reqs" not in entries[0]:
+        return None
+    waiting = sum(_num(e, "num_waiting_reqs") for e in entries)
+    return EngineLoad(
+        running_requests=max(0, int(sum(_num(e, "num_reqs") for e in entries) - waiting)),
+        waiting_requests=int(waiting),
+    )
+
+
+def parse_metrics(text: str) -> EngineLoad | None:
+    """SGLang scheduler gauges from Prometheus text, or None when absent."""
+    running = waiting = 0.0
+    usage = 0.0
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("sglang:"):
+            continue
+        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
+        value_text = rest.rsplit(" ", 1)[-1] if rest else ""
+        try:
+            value = float(value_text)
+        except ValueError:
+            continue
+        if name == "sglang:num_running_reqs":
+            running += value
+            seen = True
+        elif name == "sglang:num_queue_reqs":
+            waiting += value
+            seen = True
+        elif name == "sglang:token_usage":
+            usage = max(usage, value)
+    if not seen:
+        return None
+    return EngineLoad(
+        running_requests=int(running), waiting_requests=int(waiting), token_usage=usage
+    )
+
+
+def parse_sglang_load(path: str, raw: bytes) -> LoadReading | None:
+    """An SGLang load answer (``/v1/loads``, ``/get_load`` or ``/metrics``) → (load,
+    capacity in tokens if told), or None if not a shape we understand."""
+    if path == "/metrics":
+        metrics = parse_metrics(raw.decode("utf-8", "replace"))
+        return None if metrics is None else (metrics, None)
+    with contextlib.suppress(orjson.JSONDecodeError):
+        body = orjson.loads(raw)
+        if path == "/get_load":
+            load = parse_get_load(body)
+            return None if load is None else (load, None)
+        return parse_v1_loads(body)
+    return None

@@ -1,0 +1,265 @@
+"""The replay's discrete-event loop: N simulated workers behind the gateway's own parts.
+
+One virtual clock, one heap of events (worker step completions; arrivals are merged in
+from the sorted workload). Per request, exactly the live router's phases
+(``gateway.routing.router``): views built by ``gateway.workers.registry.Worker.view``
+from the counters ``gateway.routing.lease.Lease`` keeps (in flight, uncached prompt tokens
+queued until the first
+token, decoding requests), the prefix match from ``gateway.routing.prefix_index.PrefixIndex``
+(when the policy uses it), the policy object's ``select``, ``record`` at dispatch, and at
+the end of the response (as the live router, which reads ``cached_tokens`` from the
+final usage chunk) ``correct`` with the worker's reported cached tokens and
+``CostModel.observe`` with the TTFT; the lease moves to decoding at the first token.
+Engine load (``/v1/loads``) is polled every ``engine_load_interval_s`` as the gateway's
+poller does. The worker model is the simulator's, unchanged, driven through
+:class:`~loadtests.replay.workers.SimWorker`.
+
+Events at the same instant: step completions before arrivals (a token produced at ``t`` is
+seen by a request arriving at ``t``), ties in insertion order: the run is deterministic
+given the workload, the policy's rng seed and the model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.routing.cost_model import CostModel
+from gateway.routing.lease import Lease
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.request import RouteRequest
+from gateway.workers.registry import Worker
+from loadtests.replay.metrics import BusyInterval, RequestRecord
+from loadtests.replay.sglang_rule import PromptAwarePolicy
+from loadtests.replay.workers import SimOutput, SimWorker
+from loadtests.workloads.base import WorkloadRequest
+from policies.base import Decision, Policy, RouteContext, WorkerView
+
+FIRST_PORT = 18001
+INDEX_SWEEP_S = 60.0  # the gateway's eviction_interval_s
+INDEX_MAX_IDLE_S = 3600.0  # the gateway's max_idle_s
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One request as the gateway sees it and as the worker model receives it."""
+
+    route: RouteRequest
+    prompt_key: bytes  # token ids, 4 bytes each (simulator.model.radix_cache.encode_tokens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_key) // 4
+
+
+Prepare = Callable[[WorkloadRequest], Prepared]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    record: RequestRecord
+    route: RouteRequest
+    lease: Lease
+    worker: Worker
+    predicted_blocks: int
+
+
+@dataclass(slots=True)
+class SimOutcome:
+    records: list[RequestRecord]
+    intervals: list[BusyInterval]
+    timelines: dict[str, list[tuple[float, int, float]]]
+    worker_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Timeline:
+    every_s: float
+    points: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+
+    def sample(self, wid: str, now: float, sim: SimWorker) -> None:
+        if now - self.last.get(wid, -math.inf) >= self.every_s:
+            self.last[wid] = now
+            self.points.setdefault(wid, []).append((now, sim.queue_length(), sim.occupancy()))
+
+
+class Simulation:
+    """N workers, the gateway's index / cost model / lease counters, and one policy."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        workers: Sequence[SimWorker],
+        capacity_tokens: int,
+        prepare: Prepare,
+        seed: int = 0,
+        timeline_every_s: float = 1.0,
+        engine_load_interval_s: float = 1.0,
+    ) -> None:
+        self.policy = policy
+        self.sims = list(workers)
+        self.gw = [Worker(f"http://127.0.0.1:{FIRST_PORT + i}", 0.0) for i in range(len(workers))]
+        self.index = PrefixIndex(block_tokens=16.0, max_blocks_per_worker=67_108_864 // 64)
+        self.costs = CostModel()
+        for w in self.gw:
+            w.flags.clear()
+            w.metadata.capacity_tokens = capacity_tokens
+            self.index.set_capacity(w.id, capacity_tokens)
+        self.prepare = prepare
+        self.rng = random.Random(seed)
+        self.timeline = _Timeline(timeline_every_s)
+        self._events: list[tuple[float, int, int]] = []  # (time, seq, worker index)
+        self._pending: dict[int, tuple[float, list[SimOutput]]] = {}
+        self._busy: list[bool] = [False] * len(workers)
+        self._seq = 0
+        self._live: dict[str, _InFlight] = {}
+        self.records: list[RequestRecord] = []
+        self.intervals: list[BusyInterval] = []
+        self.rejected = 0
+        self._poll_s = engine_load_interval_s
+        self._polled = [-math.inf] * len(workers)
+
+    def run(self, requests: Sequence[WorkloadRequest]) -> SimOutcome:
+        next_sweep = INDEX_SWEEP_S
+        for req in requests:
+            self._advance(req.arrival_s)
+            while next_sweep <= req.arrival_s:
+                self.index.evict_idle(next_sweep, INDEX_MAX_IDLE_S)
+                next_sweep += INDEX_SWEEP_S
+            self._arrive(req)
+        self._advance(math.inf)
+        return SimOutcome(self.records, self.intervals, self.timeline.points,
+                          [w.id for w in self.gw])  # fmt: skip
+
+    # --- events ---------------------------------------------------------------------
+
+    def _advance(self, until: float) -> None:
+        """Process every step completion at or before ``until``."""
+        while self._events and self._events[0][0] <= until:
+            now, _, k = heapq.heappop(self._events)
+            _, outputs = self._pending.pop(k)
+            for out in outputs:
+                self._deliver(out, now)
+            self._busy[k] = False
+            self._start_step(k, now)
+
+    def _start_step(self, k: int, now: float) -> None:
+        if self._busy[k]:
+            return
+        result = self.sims[k].step(now)
+        self.timeline.sample(self.gw[k].id, now, self.sims[k])
+        if result is None:
+            return
+        duration, outputs = result
+        self._busy[k] = True
+        self._pending[k] = (duration, outputs)
+        self.intervals.append(BusyInterval(self.gw[k].id, now, duration))
+        self._seq += 1
+        heapq.heappush(self._events, (now + duration, self._seq, k))
+
+    # --- the router's phases ----------------------------------------------------------
+
+    def _views(self, route: RouteRequest, now: float) -> tuple[list[WorkerView], dict[str, int]]:
+        matches: dict[str, int] = {}
+        if self.policy.uses_prefix_match and route.block_hashes:
+            matches = dict(self.index.match(route.block_hashes))
+        views = [
+            w.view(now, route.matched_tokens(matches.get(w.id, 0)), self.costs.cost(w.id))
+            for w in self.gw
+        ]
+        return views, matches
+
+    def _select(self, route: RouteRequest, views: list[WorkerView]) -> Decision:
+        if len(views) == 1 and not self.policy.uses_prefix_match:
+            return Decision(views[0].id, "only_candidate")  # as gateway.routing.router does
+        ctx = RouteContext(
+            prompt_tokens=route.prompt_tokens,
+            candidates=views,
+            rng=self.rng,
+            routing_key=route.routing_key,
+            prompt_chars=route.prompt_chars,
+        )
+        if isinstance(self.policy, PromptAwarePolicy):
+            return self.policy.select_prompt(ctx, route.block_hashes, route.block_chars)
+        return self.policy.select(ctx)
+
+    def _poll_loads(self, now: float) -> None:
+        """The gateway's load poller: every ``engine_load_interval_s``, each worker's
+        ``/v1/loads`` figures (read lazily at the next decision, stamped with the tick)."""
+        if self._poll_s <= 0:
+            return
+        tick = math.floor(now / self._poll_s) * self._poll_s
+        for k, w in enumerate(self.gw):
+            if tick > self._polled[k]:
+                self._polled[k] = tick
+                w.engine_load = self.sims[k].engine_load()
+                w.load_read_at = tick
+
+    def _arrive(self, req: WorkloadRequest) -> None:
+        now = req.arrival_s
+        self._poll_loads(now)
+        prepared = self.prepare(req)
+        route = prepared.route
+        views, matches = self._views(route, now)
+        decision = self._select(route, views)
+        k = next(i for i, w in enumerate(self.gw) if w.id == decision.worker_id)
+        worker = self.gw[k]
+        predicted_blocks = matches.get(worker.id, 0)
+        predicted = route.matched_tokens(predicted_blocks)
+        if route.block_hashes:
+            self.index.record(route.block_hashes, worker.id, now)
+        lease = Lease(worker, max(0, route.prompt_tokens - predicted))
+        true_matches = [sim.true_match(prepared.prompt_key) for sim in self.sims]
+        record = RequestRecord(
+            index=req.index, arrival_s=now, worker=worker.id,
+            prompt_tokens=prepared.prompt_tokens, output_tokens=req.max_tokens,
+            predicted_tokens=predicted, true_match_tokens=true_matches[k],
+            best_match_tokens=max(true_matches),
+        )  # fmt: skip
+        self.records.append(record)
+        rid = f"r{req.index}"
+        try:
+            self.sims[k].submit(rid, prepared.prompt_key, req.max_tokens, now)
+        except ValueError:  # e.g. longer than the worker's KV: the worker answers 400
+            self.rejected += 1
+            lease.release()
+            return
+        self._live[rid] = _InFlight(record, route, lease, worker, predicted_blocks)
+        self._start_step(k, now)
+
+    def _deliver(self, out: SimOutput, now: float) -> None:
+        live = self._live.get(out.rid)
+        if live is None:
+            return
+        rec = live.record
+        if out.first_token and rec.first_token_s is None:
+            rec.first_token_s = now
+            rec.cached_tokens = out.cached_tokens
+            live.lease.first_token()
+        if out.finished:
+            rec.finish_s = now
+            live.lease.release()
+            self._feedback(live)
+            del self._live[out.rid]
+
+    def _feedback(self, live: _InFlight) -> None:
+        """As the live router, once the response is complete: index correction with the
+        reported cached tokens, cost model with the TTFT."""
+        route, rec = live.route, live.record
+        if route.block_hashes and self.policy.uses_prefix_match:
+            self.index.correct(
+                live.worker.id,
+                route.block_hashes,
+                live.predicted_blocks,
+                rec.cached_tokens,
+                rec.finish_s,
+            )
+        if rec.first_token_s is not None:
+            uncached = max(0, route.prompt_tokens - rec.cached_tokens)
+            self.costs.observe(
+                live.worker.id, uncached, live.lease.queued_ahead, rec.first_token_s - rec.arrival_s
+            )
