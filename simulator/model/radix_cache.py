@@ -187,18 +187,6 @@ class RadixCache:
         """Slots held by live requests: ``capacity - available - evictable``."""
         return self.capacity - self.available - self.evictable
 
-    @property
-    def access_clock(self) -> int:
-        """The logical time of the last match or insert."""
-        return self._clock
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    def page_align(self, num_tokens: int) -> int:
-        return num_tokens - num_tokens % self.page_size
-
     # ------------------------------------------------------------------ pool
     def can_alloc(self, n: int) -> bool:
         return n <= self.available + self.evictable

@@ -722,18 +722,6 @@ class WorkerModel:
         return self.cache.used / self.cache.capacity
 
     @property
-    def evictable_tokens(self) -> int:
-        return self.cache.evictable
-
-    @property
-    def available_tokens(self) -> int:
-        return self.cache.available
-
-    @property
-    def used_tokens(self) -> int:
-        return self.cache.used
-
-    @property
     def prompt_tokens_total(self) -> int:
         """Prompt tokens of finished requests."""
         return self.counters.prompt_tokens
@@ -742,10 +730,6 @@ class WorkerModel:
     def cached_tokens_total(self) -> int:
         """Cached prompt tokens of finished requests."""
         return self.counters.cached_tokens
-
-    @property
-    def aborted_total(self) -> int:
-        return self.counters.aborted
 
     def stats(self, now: float) -> ModelStats:
         """Live figures (``/metrics`` and ``/v1/loads`` serve the lagged snapshots)."""
