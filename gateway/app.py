@@ -1,7 +1,7 @@
 """The composition root: builds every component from the config and wires them together.
 
 Contract: :func:`build_app` returns an ``aiohttp`` application whose components are
-reachable only through the typed keys of ``gateway.app_keys``. Components without I/O are
+reachable only through the typed keys of ``gateway.http.app_keys``. Components without I/O are
 built at once; the client session and everything that uses it are built at startup in a
 ``cleanup_ctx`` and torn down at shutdown in reverse order (loops cancelled, pending
 aborts cancelled, session closed). This module and ``policies.registry`` are the only ones
@@ -20,14 +20,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway import app_keys
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
+from gateway.config.allowlist import HostAllowList
+from gateway.config.workerspec import configured_kind, parse_worker_spec
 from gateway.exact.kv_events import KVEventsManager
 from gateway.exact.tokenizer import load_tokenizer
+from gateway.forward.credentials import worker_credentials, worker_key_exposed
 from gateway.forward.upstream import UpstreamPool
-from gateway.http import admin, handlers
+from gateway.http import admin, app_keys, handlers
 from gateway.http.admission import Admission
-from gateway.http.auth import worker_credentials, worker_key_exposed
 from gateway.http.debug import add_telemetry_routes
 from gateway.http.observe import RegistrySnapshot, TelemetryHooks, telemetry_middleware
 from gateway.http.openapi import add_openapi_route
@@ -41,10 +42,8 @@ from gateway.routing.slot_gate import SlotGate
 from gateway.tasks import TaskSet
 from gateway.telemetry.hub import Telemetry, TelemetryConfig
 from gateway.telemetry.tracing import TracingConfig
-from gateway.workers.allowlist import HostAllowList
 from gateway.workers.engine_load import LoadPoller
 from gateway.workers.health import HealthChecker
-from gateway.workers.kinds import configured_kind, parse_worker_spec
 from gateway.workers.outlier import OutlierDetector
 from gateway.workers.registry import Worker, WorkerRegistry
 from policies.base import Policy

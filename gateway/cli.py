@@ -11,12 +11,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import yaml
 
+from gateway.app import build_app, make_policy
 from gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -25,7 +27,10 @@ from gateway.config import (
     merge,
     read_yaml,
 )
+from gateway.http.handlers import start_site
 from gateway.telemetry.logs import setup_logging
+
+log = logging.getLogger(__name__)
 
 # flag → (dotted config key, argparse options). Defaults live in gateway/config.py only;
 # a flag absent from the command line leaves the file's (or the default) value.
@@ -78,7 +83,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--kv-events-tokenizer": (
         "kv_events.tokenizer",
-        {"help": "exact mode tokenizer: sim or hf:<dir> (sim)"},
+        {
+            "help": "exact mode tokenizer, required with --kv-events true: hf:<dir> or "
+            "python:<module>:<factory>"
+        },
     ),
     "--api-key": ("server.api_key", {"help": "require Authorization: Bearer KEY"}),
     "--api-keys-file": ("server.api_keys_file", {"help": "more client keys, one a line"}),
@@ -242,8 +250,6 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         overrides["policy.params"] = _policy_params(policy_args)
     try:
         config = config_from_dict(merge(base, overrides))
-        from gateway.app import make_policy
-
         make_policy(config.policy)  # refuse bad policy parameters before starting
         return config
     except ConfigError as exc:
@@ -265,6 +271,27 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway until SIGINT or SIGTERM."""
+    runner, port = await start_site(build_app(config), config.server.host, config.server.port)
+    log.info(
+        "gateway listening on http://%s:%d with policy %s and %d workers",
+        config.server.host,
+        port,
+        config.policy.name,
+        len(config.workers),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(argv)
@@ -272,8 +299,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefix-gateway: invalid configuration: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.server)
-    from gateway.http.handlers import serve
-
     with (
         asyncio.Runner(loop_factory=_loop_factory()) as runner,
         contextlib.suppress(KeyboardInterrupt),

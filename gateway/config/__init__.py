@@ -20,9 +20,11 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from gateway.workers.allowlist import DEFAULT_ALLOWED
-from gateway.workers.kinds import AUTO, KIND_NAMES, parse_worker_spec
+from gateway.config.allowlist import DEFAULT_ALLOWED, parse_entries
+from gateway.config.keyfiles import read_key_file
+from gateway.config.workerspec import AUTO, KIND_NAMES, parse_worker_spec
 
+TOKENIZER_SCHEMES = ("hf:", "python:")  # kv_events.tokenizer (gateway.exact.tokenizer)
 LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 
 
@@ -222,9 +224,11 @@ class KVEventsConfig:
 
     # Follow the KV events of workers whose /server_info advertises them.
     enabled: bool = False
-    # How prompts become the worker's token ids: "sim" (the simulated worker's tokenizer)
-    # or "hf:<dir>" (tokenizer.json + chat template from a local directory).
-    tokenizer: str = "sim"
+    # How prompts become the worker's token ids: "hf:<dir>" (tokenizer.json + chat template
+    # from a local directory) or "python:<module>:<factory>" (a tokenizer object built by
+    # that callable, e.g. the simulator's for tests); required when exact mode is on: a
+    # tokenizer the workers do not use would make every exact match wrong.
+    tokenizer: str = ""
     # A request dispatched to an exact-mode worker not followed by any event within this
     # makes the worker `degraded` (routing falls back to the approximate index).
     stale_timeout_s: float = 5.0
@@ -490,9 +494,6 @@ def validate(cfg: GatewayConfig) -> None:
 
 
 def _validate_security(s: ServerConfig) -> None:
-    from gateway.http.auth import read_key_file
-    from gateway.workers.allowlist import parse_entries
-
     try:
         parse_entries(s.worker_allowlist)
     except ValueError as exc:
@@ -623,9 +624,15 @@ def _validate_kv_events(k: KVEventsConfig) -> None:
         k.ttl_min_s,
     )
     _check(
-        k.tokenizer == "sim" or k.tokenizer.startswith("hf:"),
+        k.tokenizer == "" or k.tokenizer.startswith(TOKENIZER_SCHEMES),
         "kv_events.tokenizer",
-        "must be 'sim' or 'hf:<directory>'",
+        "must be 'hf:<directory>' or 'python:<module>:<factory>'",
+        k.tokenizer,
+    )
+    _check(
+        not k.enabled or bool(k.tokenizer),
+        "kv_events.tokenizer",
+        "must name the workers' tokenizer when kv_events.enabled",
         k.tokenizer,
     )
 

@@ -2,12 +2,13 @@
 
 Exact mode matches a request against the blocks the worker reported in KV events, which
 are token ids; so the gateway must render and tokenize the prompt exactly as the worker
-does (SGLANG_API.md §6). Two implementations behind one protocol, chosen by the config
-key ``kv_events.tokenizer``:
+does (SGLANG_API.md §6). Chosen explicitly by the config key ``kv_events.tokenizer``
+(there is no default: a tokenizer the workers do not use makes every exact match wrong):
 
-* ``"sim"``: the simulated worker's own tokenizer and ChatML template
-  (``simulator.model.tokenizer``: pure Python, deterministic, no vocabulary file, so it cannot
-  be exported as ``tokenizer.json``; the gateway imports it through this adapter only);
+* ``"python:<module>:<factory>"``: the object ``factory()`` returns, which must have
+  ``encode_chat(messages, tools)`` and ``encode(text)``; loaded by name, so the gateway
+  imports no tokenizer of its own choosing (tests and demos name the simulated worker's,
+  ``python:simulator.model.tokenizer:default_tokenizer``);
 * ``"hf:<dir>"``: a real model's ``tokenizer.json`` (``tokenizers`` package) and its chat
   template (``tokenizer_config.json``'s ``chat_template``, rendered with ``jinja2``),
   both read from a local directory, never downloaded.
@@ -34,23 +35,6 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]:
         """Plain text as ``/v1/completions`` and ``/generate`` encode it."""
-
-
-class SimTokenizerAdapter:
-    """The simulated worker's tokenizer (``simulator.model.tokenizer``)."""
-
-    def __init__(self) -> None:
-        from simulator.model.tokenizer import default_tokenizer
-
-        self._tok = default_tokenizer()
-
-    def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None
-    ) -> list[int]:
-        return self._tok.encode_chat(messages, tools)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
 
 
 class HFTokenizer:
@@ -96,9 +80,27 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """``"sim"`` or ``"hf:<directory>"`` (see module docstring); ValueError otherwise."""
-    if spec == "sim":
-        return SimTokenizerAdapter()
+    """``"hf:<directory>"`` or ``"python:<module>:<factory>"`` (see the module docstring);
+    ValueError naming the problem otherwise."""
     if spec.startswith("hf:"):
         return HFTokenizer(spec[3:])
-    raise ValueError(f"unknown tokenizer {spec!r}: expected 'sim' or 'hf:<directory>'")
+    if spec.startswith("python:"):
+        return _python_tokenizer(spec[len("python:") :])
+    raise ValueError(
+        f"unknown tokenizer {spec!r}: expected 'hf:<directory>' or 'python:<module>:<factory>'"
+    )
+
+
+def _python_tokenizer(target: str) -> Tokenizer:
+    module_name, sep, factory_name = target.partition(":")
+    if not sep or not module_name or not factory_name:
+        raise ValueError(f"tokenizer 'python:{target}': expected python:<module>:<factory>")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"tokenizer 'python:{target}': {exc}") from None
+    tok = factory()
+    if not (callable(getattr(tok, "encode_chat", None)) and callable(getattr(tok, "encode", None))):
+        raise ValueError(f"tokenizer 'python:{target}': the object has no encode_chat/encode")
+    result: Tokenizer = tok
+    return result

@@ -100,7 +100,7 @@ def upstream_headers(
     drop: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str]]:
     """The client's headers minus hop-by-hop ones and ``drop`` (lower-case names: the
-    client's credentials, see ``gateway.http.auth.WorkerCredentials``), with the request id, a
+    client's credentials, see ``gateway.forward.credentials``), with the request id, a
     JSON content type (and ``extra``) set."""
     out = [
         (key, value)

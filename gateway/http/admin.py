@@ -22,11 +22,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway import app_keys
 from gateway.config import validate_worker_url
+from gateway.config.allowlist import HostAllowList, NotAllowed
+from gateway.config.workerspec import configured_kind, parse_worker_spec
 from gateway.errors import GatewayError
-from gateway.workers.allowlist import HostAllowList, NotAllowed
-from gateway.workers.kinds import configured_kind, parse_worker_spec
+from gateway.http import app_keys
 from gateway.workers.registry import HealthFlag, Worker
 
 ALLOWLIST = web.AppKey("worker_allowlist", HostAllowList)  # set by gateway.app

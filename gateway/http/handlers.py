@@ -12,7 +12,7 @@ Contract:
   line per error (5xx at WARNING, 4xx at INFO), checks keys (``gateway.http.auth``: client
   keys on the API, the admin key on admin routes, probes open unless configured) and
   applies the per-key rate limit (``gateway.http.ratelimit``, API routes only); the router
-  swaps the client's credentials for the worker's (``gateway.http.auth.WorkerCredentials``)
+  swaps the client's credentials for the worker's (``gateway.forward.credentials``)
   as it builds the upstream headers. No line is logged per successful request; keys and
   prompts are never logged.
 - While active probes flag every worker, a well-formed API request gets a fast 503 with
@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,10 +36,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway import app_keys
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, error_response, render
 from gateway.forward.relay import ClientGone
+from gateway.http import app_keys
 from gateway.http.auth import ANONYMOUS, Authenticator, collect_keys, path_scope
 from gateway.http.connguard import NOT_IMPLEMENTED_TYPE, ConnectionGuard, GuardedSite
 from gateway.http.ratelimit import RateLimiter
@@ -294,26 +293,3 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     sockets = runner.addresses
     bound = sockets[0][1] if sockets else port
     return runner, int(bound)
-
-
-async def serve(config: GatewayConfig) -> None:
-    """Run the gateway until SIGINT or SIGTERM."""
-    from gateway.app import build_app
-
-    runner, port = await start_site(build_app(config), config.server.host, config.server.port)
-    log.info(
-        "gateway listening on http://%s:%d with policy %s and %d workers",
-        config.server.host,
-        port,
-        config.policy.name,
-        len(config.workers),
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()

@@ -34,12 +34,12 @@ from prometheus_client.core import (
     Metric,
 )
 
-from gateway import app_keys
 from gateway.config import RedisConfig, validate_worker_url
+from gateway.config.workerspec import KIND_NAMES
+from gateway.http import app_keys
 from gateway.peers.codec import LoadFigures
 from gateway.peers.state import ACTIVE, DRAINING, SharedSettings, SharedState
 from gateway.routing.router import PrefixMatcher
-from gateway.workers.kinds import KIND_NAMES
 from gateway.workers.registry import HealthFlag, Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)

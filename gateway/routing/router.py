@@ -39,8 +39,8 @@ from aiohttp import web
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.forward import relay
+from gateway.forward.credentials import WorkerCredentials
 from gateway.forward.upstream import UpstreamPool, UpstreamResponse
-from gateway.http.auth import WorkerCredentials
 from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
 from gateway.routing.lease import Lease
 from gateway.routing.request import ApiKind, RouteRequest

@@ -29,10 +29,8 @@ import aiohttp
 import orjson
 
 from gateway.config import HealthConfig
+from gateway.config.workerspec import LLAMACPP, OPENAI, SGLANG
 from gateway.workers.kinds import (
-    LLAMACPP,
-    OPENAI,
-    SGLANG,
     WorkerKind,
     kind_from_models,
     kind_from_server_header,

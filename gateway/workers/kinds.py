@@ -27,18 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
+from gateway.config.workerspec import LLAMACPP, OPENAI, SGLANG, VLLM
 from gateway.workers.registry import WorkerMetadata
 from gateway.workers.replies import LoadReading, parse_server_info, parse_sglang_load
 from policies.base import EngineLoad
-
-SGLANG: Final = "sglang"
-LLAMACPP: Final = "llamacpp"
-VLLM: Final = "vllm"
-OPENAI: Final = "openai"
-AUTO: Final = "auto"
-KIND_NAMES: Final = (SGLANG, LLAMACPP, VLLM, OPENAI)
 
 
 class WorkerKind(Protocol):
@@ -52,28 +46,6 @@ class WorkerKind(Protocol):
     def health_path(self, configured: str) -> str: ...
     def parse_info(self, path: str, body: Any) -> WorkerMetadata | None: ...
     def parse_load(self, path: str, raw: bytes) -> LoadReading | None: ...
-
-
-def parse_worker_spec(spec: str) -> tuple[str, str | None]:
-    """``"http://h:1#llamacpp"`` → (``"http://h:1"``, ``"llamacpp"``); no ``#``: kind None.
-
-    Raises ValueError for a kind that is not one of :data:`KIND_NAMES` (``auto`` is
-    accepted and means None: discover it).
-    """
-    url, sep, kind = spec.partition("#")
-    if not sep:
-        return spec, None
-    kind = kind.strip().lower()
-    if kind == AUTO:
-        return url, None
-    if kind not in KIND_NAMES:
-        raise ValueError(f"unknown worker kind {kind!r} (expected one of {', '.join(KIND_NAMES)})")
-    return url, kind
-
-
-def configured_kind(worker_kind: str) -> str | None:
-    """The ``worker_kind`` setting as a kind for ``WorkerRegistry.add`` (``auto``: None)."""
-    return worker_kind if worker_kind in KIND_NAMES else None
 
 
 def kind_named(name: str) -> WorkerKind:

@@ -21,15 +21,19 @@ from typing import Any, Self
 import aiohttp
 from aiohttp import web
 
-from gateway import app_keys
 from gateway.app import build_app
 from gateway.config import GatewayConfig, config_from_dict, merge
+from gateway.http import app_keys
 from gateway.http.handlers import start_site
 from gateway.routing.router import Router
 from gateway.workers.registry import WorkerRegistry
 
 # Fast probes and polls so health flips within a test; round robin for predictability.
+# Exact mode's tokenizer in front of simulated workers: the simulator's own, named by config.
+SIM_TOKENIZER = "python:simulator.model.tokenizer:default_tokenizer"
+
 TEST_DEFAULTS: dict[str, Any] = {
+    "kv_events.tokenizer": SIM_TOKENIZER,
     "policy.name": "round_robin",
     "policy.seed": 7,
     "health.interval_s": 0.2,

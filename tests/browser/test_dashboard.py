@@ -18,8 +18,8 @@ from aiohttp import web
 from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 
 import gateway.app
-from gateway import app_keys
 from gateway.config import config_from_dict, merge
+from gateway.http import app_keys
 from gateway.http.debug import add_telemetry_routes
 from gateway.http.handlers import start_site
 from gateway.routing.decisions import CandidateScore, DecisionLog, DecisionRecord

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from aiohttp import ClientSession, web
 
-from gateway import app_keys
+from gateway.http import app_keys
 from loadtests.harness.inprocess import run_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 4}

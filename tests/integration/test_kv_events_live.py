@@ -25,6 +25,7 @@ from gateway.exact.kv_events import (
 from gateway.exact.tokenizer import load_tokenizer
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import ApiKind, RequestSettings, parse_request
+from loadtests.harness.inprocess import SIM_TOKENIZER
 from simulator.fleet import SimConfig, SimulatedFleet
 
 KV_CONFIG = (
@@ -94,7 +95,7 @@ async def _manager(
 ) -> KVEventsManager:
     settings = KVEventsSettings(enabled=True, discovery_interval_s=0.1, **overrides)
     workers = [(f"w{i}", url) for i, url in enumerate(fleet.urls)]
-    mgr = KVEventsManager(settings, load_tokenizer("sim"), lambda: workers, session)
+    mgr = KVEventsManager(settings, load_tokenizer(SIM_TOKENIZER), lambda: workers, session)
     await mgr.start()
     return mgr
 

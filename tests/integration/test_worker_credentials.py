@@ -1,4 +1,4 @@
-"""What a worker sees of credentials (``gateway.http.auth.WorkerCredentials``): never the
+"""What a worker sees of credentials (``gateway.forward.credentials.WorkerCredentials``): never the
 client's key when the gateway checks keys, the configured worker key on proxied requests
 and on the gateway's own probes and polls, and the client's headers untouched otherwise.
 

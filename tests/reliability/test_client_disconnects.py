@@ -10,7 +10,7 @@ import contextlib
 import aiohttp
 from aiohttp import ClientSession
 
-from gateway import app_keys
+from gateway.http import app_keys
 from loadtests.harness.inprocess import GatewayHandle, run_gateway, sim_faults, sim_stats
 from simulator.fleet import SimulatedFleet
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.workers.allowlist import DEFAULT_ALLOWED, HostAllowList, NotAllowed, parse_entries
+from gateway.config.allowlist import DEFAULT_ALLOWED, HostAllowList, NotAllowed, parse_entries
 
 
 def _resolver(table: dict[str, list[str]]):  # type: ignore[no-untyped-def]

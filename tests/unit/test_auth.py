@@ -9,15 +9,13 @@ from multidict import CIMultiDict
 
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError
-from gateway.http.auth import (
-    Authenticator,
+from gateway.forward.credentials import (
     WorkerCredentials,
-    collect_keys,
-    path_scope,
     worker_credentials,
     worker_key,
     worker_key_exposed,
 )
+from gateway.http.auth import Authenticator, collect_keys, path_scope
 
 
 def _bearer(key: str) -> dict[str, str]:

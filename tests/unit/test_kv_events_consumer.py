@@ -27,7 +27,8 @@ from gateway.exact.kv_events import (
     namespace_seed,
     request_tokens,
 )
-from gateway.exact.tokenizer import SimTokenizerAdapter, load_tokenizer
+from gateway.exact.tokenizer import load_tokenizer
+from loadtests.harness.inprocess import SIM_TOKENIZER
 from simulator.http.kv_publisher import BlockStored as SimStored
 from simulator.http.kv_publisher import KVEventPublisher, KVEventsConfig, encode_batch
 from simulator.model.radix_cache import RadixCache, encode_tokens
@@ -138,8 +139,7 @@ def test_predicted_ttl_follows_delay() -> None:
 
 
 def test_request_tokens_match_the_simulator() -> None:
-    tok = load_tokenizer("sim")
-    assert isinstance(tok, SimTokenizerAdapter)
+    tok = load_tokenizer(SIM_TOKENIZER)
     from simulator.model.tokenizer import default_tokenizer
 
     messages = [{"role": "user", "content": "Hello there"}]
@@ -149,8 +149,16 @@ def test_request_tokens_match_the_simulator() -> None:
     assert ns == ("ad", "s", None)
     assert request_tokens("generate", b'{"input_ids":[1,2,3]}', tok)[0] == [1, 2, 3]
     assert request_tokens("completions", b'{"prompt":["a b","c"]}', tok)[0] == tok.encode("a b")
-    with pytest.raises(ValueError):
-        load_tokenizer("bogus")
+    for bad in (
+        "bogus",
+        "sim",
+        "python:simulator.model.tokenizer",
+        "python:no_such_module:f",
+        "python:simulator.model.tokenizer:no_such_factory",
+        "python:json:JSONDecoder",
+    ):
+        with pytest.raises(ValueError, match="tokenizer"):
+            load_tokenizer(bad)
 
 
 # ---------------------------------------------------------------------- feeds
@@ -241,7 +249,9 @@ async def test_modes_degrade_after_silence_and_return() -> None:
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
-        mgr = KVEventsManager(settings, load_tokenizer("sim"), list, session, clock=lambda: now[0])
+        mgr = KVEventsManager(
+            settings, load_tokenizer(SIM_TOKENIZER), list, session, clock=lambda: now[0]
+        )
         try:
             assert mgr.mode("w") == MODE_APPROXIMATE
             desc = Descriptor("127.0.0.1", 1, "", 4, 1, None)
@@ -268,7 +278,9 @@ async def test_prepared_request_and_fidelity() -> None:
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
-        mgr = KVEventsManager(KVEventsSettings(enabled=True), load_tokenizer("sim"), list, session)
+        mgr = KVEventsManager(
+            KVEventsSettings(enabled=True), load_tokenizer(SIM_TOKENIZER), list, session
+        )
         try:
             mgr._states["w"] = _WorkerState(desc=Descriptor("127.0.0.1", 1, "", 4, 1, None))
             mgr._apply("w", 0, 0.0, [Stored([7], None, _ids(4), 4)])
@@ -286,9 +298,17 @@ async def test_prepared_request_and_fidelity() -> None:
 def test_config_section() -> None:
     from gateway.config import ConfigError, config_from_dict
 
-    cfg = config_from_dict({"kv_events": {"enabled": True, "stale_timeout_s": 2}})
+    section = {"enabled": True, "stale_timeout_s": 2, "tokenizer": SIM_TOKENIZER}
+    cfg = config_from_dict({"kv_events": section})
     assert cfg.kv_events.enabled and cfg.kv_events.stale_timeout_s == 2.0
-    assert cfg.kv_events.tokenizer == "sim"
-    for bad in ({"tokenizer": "gpt"}, {"stale_timeout_s": 0}, {"ttl_min_s": 20.0}):
+    assert cfg.kv_events.tokenizer == SIM_TOKENIZER
+    assert config_from_dict({}).kv_events.tokenizer == ""  # no tokenizer chosen by default
+    for bad in (
+        {"tokenizer": "gpt"},
+        {"tokenizer": "sim"},
+        {"enabled": True},  # exact mode without a tokenizer
+        {"stale_timeout_s": 0},
+        {"ttl_min_s": 20.0},
+    ):
         with pytest.raises(ConfigError, match="kv_events"):
             config_from_dict({"kv_events": bad})

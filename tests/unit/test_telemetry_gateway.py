@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 import gateway.app
-from gateway import app_keys
 from gateway.config import config_from_dict, merge
+from gateway.http import app_keys
 from gateway.http.handlers import start_site
 from gateway.telemetry.hub import _CURRENT, Telemetry
 from gateway.telemetry.logs import REQUEST_ID, setup_logging

@@ -8,21 +8,19 @@ import random
 import orjson
 import pytest
 
-from gateway.forward.relay import cached_tokens
-from gateway.routing.hashing import block_hashes
-from gateway.routing.prefix_index import PrefixIndex
-from gateway.workers.kinds import (
+from gateway.config.workerspec import (
     KIND_NAMES,
     LLAMACPP,
     OPENAI,
     SGLANG,
     VLLM,
     configured_kind,
-    kind_from_models,
-    kind_from_server_header,
-    kind_named,
     parse_worker_spec,
 )
+from gateway.forward.relay import cached_tokens
+from gateway.routing.hashing import block_hashes
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.workers.kinds import kind_from_models, kind_from_server_header, kind_named
 from policies.base import RouteContext, WorkerView
 from policies.min_ttft import MinTtftPolicy
 
