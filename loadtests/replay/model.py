@@ -12,7 +12,8 @@ from loadtests.replay.workers import SimOutput
 from policies.base import EngineLoad
 from simulator.config import SimConfig
 from simulator.model.radix_cache import TOKEN_BYTES
-from simulator.model.radix_worker import SimRequest, WorkerModel
+from simulator.model.radix_worker import WorkerModel
+from simulator.model.requests import SimRequest
 
 
 class ModelWorker:

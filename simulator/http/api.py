@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from simulator.model.radix_worker import Finish
+from simulator.model.requests import Finish
 
 WEIGHT_VERSION = "default"
 DONE = b"data: [DONE]\n\n"

@@ -42,7 +42,7 @@ from simulator.http import api
 from simulator.http.api import ApiError
 from simulator.http.sglang import Handler, HttpWorker, json_response, route_table
 from simulator.model.driver import DrivenModel, RequestHandle
-from simulator.model.radix_worker import Finish, RequestOutput, SimRequest
+from simulator.model.requests import Finish, RequestOutput, SimRequest
 from simulator.model.slots import ContextTooLong, SlotWorkerModel
 
 SERVER_NAME = "llama.cpp"

@@ -21,7 +21,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from simulator.model.radix_worker import ModelStats
+from simulator.model.radix_state import ModelStats
 
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 E2E_BUCKETS = (*TTFT_BUCKETS, 600, 1200, 1800, 2400)

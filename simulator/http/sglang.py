@@ -41,7 +41,8 @@ from simulator.faults import Faults
 from simulator.http import api, metrics
 from simulator.http.api import ApiError
 from simulator.model.driver import DrivenModel, ModelDriver, RequestHandle
-from simulator.model.radix_worker import Finish, RequestOutput, SimRequest, WorkerModel
+from simulator.model.radix_worker import WorkerModel
+from simulator.model.requests import Finish, RequestOutput, SimRequest
 from simulator.model.tokenizer import SimTokenizer, default_tokenizer
 
 if TYPE_CHECKING:

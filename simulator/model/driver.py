@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from simulator.model.radix_cache import TOKEN_BYTES
-from simulator.model.radix_worker import Finish, RequestOutput, SimRequest, StepResult
+from simulator.model.requests import Finish, RequestOutput, SimRequest, StepResult
 
 _JITTER_WALL_S = 0.005
 _MIN_SLEEP_WALL_S = 0.001

@@ -55,7 +55,7 @@ from simulator.model.radix_cache import (
     decode_tokens,
     encode_tokens,
 )
-from simulator.model.radix_worker import (
+from simulator.model.requests import (
     Finish,
     OutputSource,
     RequestOutput,

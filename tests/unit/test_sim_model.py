@@ -8,7 +8,8 @@ import pytest
 
 from simulator.model.profiles import get_profile
 from simulator.model.radix_cache import encode_tokens
-from simulator.model.radix_worker import RequestOutput, SimRequest, StepResult, WorkerModel
+from simulator.model.radix_worker import WorkerModel
+from simulator.model.requests import RequestOutput, SimRequest, StepResult
 from simulator.model.tokenizer import IM_END_ID
 
 H100 = get_profile("llama3-8b-h100")

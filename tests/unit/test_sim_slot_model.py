@@ -8,7 +8,7 @@ import pytest
 
 from simulator.config import SimConfig
 from simulator.model.profiles import get_profile
-from simulator.model.radix_worker import RequestOutput, SimRequest, StepResult
+from simulator.model.requests import RequestOutput, SimRequest, StepResult
 from simulator.model.slots import ContextTooLong, SlotWorkerModel
 
 TINY = get_profile("tiny-cpu")
