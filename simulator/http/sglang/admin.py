@@ -1,0 +1,88 @@
+"""SGLang's admin routes, ``/flush_cache`` and ``/abort_request``, and this personality's
+``/_sim/stats`` figures.
+
+``/flush_cache`` (GET or POST) drops the radix tree only while no request runs or waits;
+with ``?timeout=s`` it retries for that long, then answers 400 with SGLang's text.
+``/abort_request`` aborts the body's ``rid`` or, with ``abort_all``, every request but the
+health checks; it answers 200 whatever it found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from simulator.http import api
+from simulator.http.sglang.core import SGLangCore
+
+FLUSH_OK = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+class AdminRoutes(SGLangCore):
+    """The cache and abort handlers and :meth:`sim_stats` (see module docstring)."""
+
+    async def _flush_cache(self, request: web.BaseRequest) -> web.StreamResponse:
+        timeout = 0.0
+        if "timeout" in request.query:
+            with contextlib.suppress(ValueError):
+                timeout = float(request.query["timeout"])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.engine.flush_cache():
+            if loop.time() >= deadline:
+                message = (
+                    "Cache not flushed because there are pending requests. "
+                    f"#queue-req: {self.engine.num_waiting}, "
+                    f"#running-req: {self.engine.num_running + self.engine.num_prefilling}\n"
+                )
+                return web.Response(status=400, text=message)
+            await asyncio.sleep(0.01)
+        return web.Response(status=200, text=FLUSH_OK)
+
+    async def _abort_request(self, request: web.BaseRequest) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError as exc:
+            raise api.json_invalid(exc.msg, exc.pos) from None
+        if isinstance(body, dict):
+            if body.get("abort_all"):
+                for rid in list(self.driver._handles):
+                    if not rid.startswith("HEALTH_CHECK"):
+                        self._abort(rid)
+            elif isinstance(body.get("rid"), str) and body["rid"]:
+                self._abort(body["rid"])
+        return web.Response(status=200)
+
+    def sim_stats(self) -> dict[str, Any]:
+        engine = self.engine
+        cache = engine.cache
+        counters = engine.counters
+        stats = dataclasses.asdict(self.stats)
+        stats.update(
+            {
+                "running": engine.num_running + engine.num_prefilling,
+                "waiting": engine.num_waiting,
+                "model_time": self.driver.now() if self._driver is not None else 0.0,
+                "kv_used_tokens": cache.used,
+                "kv_evictable_tokens": cache.evictable,
+                "kv_available_tokens": cache.available,
+                "kv_capacity_tokens": cache.capacity,
+                "kv_evicted_tokens_total": cache.evicted_total,
+                "prompt_tokens_total": counters.prompt_tokens,
+                "cached_tokens_total": counters.cached_tokens,
+                "generation_tokens_total": counters.generation_tokens,
+                "finished_total": counters.finished,
+                "retractions_total": counters.retractions,
+                "faults": self.faults.as_dict(),
+            }
+        )
+        return stats

@@ -1,0 +1,150 @@
+"""What SGLang's routes share: the worker model and its KV event publisher, and the parsing
+and submission of a generation request.
+
+:class:`SGLangCore` builds the :class:`WorkerModel`, with the KV event recorder as its cache
+listener when ``kv_events_config`` enables a publisher, and starts and stops the publisher
+with the server. :meth:`SGLangCore._submit` applies SGLang's context-length checks (a
+``ValueError`` carries SGLang's message; each route turns it into its own error shape) and
+queues the request with the driver. Request ids: ``rid`` from the body, else
+``uuid4().hex``; a rid already in flight is refused by the model (``ValueError``). A
+request's cache namespace is its ``lora_path`` (or the adapter after ``model:``),
+``extra_key`` and ``cache_salt``: requests in different namespaces never share a prefix.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from simulator.config import SimConfig
+from simulator.http import api
+from simulator.http.api import ApiError
+from simulator.http.base import HttpWorker
+from simulator.model.driver import DrivenModel, RequestHandle
+from simulator.model.radix_worker import WorkerModel
+from simulator.model.requests import SimRequest
+
+if TYPE_CHECKING:
+    from simulator.http.kv_publisher import KVEventPublisher
+
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+_MAX_INT = 2**63
+
+
+@dataclass
+class GenRequest:
+    """One generation request, parsed from any of the generation routes."""
+
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    explicit_max: bool
+    ignore_eos: bool
+    namespace: str
+    stream: bool
+
+
+class SGLangCore(HttpWorker):
+    """The SGLang personality's model and request plumbing (see module docstring); the route
+    families extend it and :class:`simulator.http.sglang.SimulatedWorker` combines them."""
+
+    def __init__(
+        self, config: SimConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0
+    ) -> None:
+        super().__init__(config, host, port, index)
+        self.context_length = config.context_length or self.profile.context_length
+        self.kv_events = self._kv_publisher(config, index)
+        listener = self.kv_events.recorder if self.kv_events is not None else None
+        self.engine = WorkerModel.from_config(config, listener=listener)
+
+    def _driven_model(self) -> DrivenModel:
+        return self.engine
+
+    # ------------------------------------------------------------------ lifecycle and KV events
+    async def start(self) -> None:
+        """Listen on ``host:port`` (0: an ephemeral port, then ``self.port`` is set)."""
+        if self.kv_events is not None:
+            self.kv_events.start()
+        await super().start()
+
+    async def stop(self, kill: bool = True) -> None:
+        """Stop serving. ``kill``: like a killed process, open connections are cut at once."""
+        await super().stop(kill)
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    @staticmethod
+    def _kv_publisher(config: SimConfig, index: int) -> KVEventPublisher | None:
+        """The KV event publisher when ``kv_events_config`` enables one (ports + index)."""
+        if config.kv_events_config is None:
+            return None
+        from simulator.http.kv_publisher import KVEventPublisher, KVEventsConfig  # optional extra
+
+        kv_config = KVEventsConfig.from_json(config.kv_events_config)
+        if not kv_config.enabled:
+            return None
+        return KVEventPublisher(
+            kv_config, config.page_size, offset=index, legacy_array=config.kv_events_legacy_array
+        )
+
+    # ------------------------------------------------------------------ request plumbing
+    def _submit(self, gen: GenRequest, stream_outputs: bool) -> RequestHandle:
+        """Validate against the context length and queue; ValueError carries SGLang's text."""
+        prompt_len = len(gen.prompt_ids)
+        if prompt_len >= self.context_length:
+            raise ValueError(api.context_too_long(prompt_len, self.context_length))
+        max_new = gen.max_new_tokens
+        eos_at: int | None = None
+        if gen.explicit_max:
+            if max_new + prompt_len >= self.context_length:
+                raise ValueError(api.total_too_long(prompt_len, max_new, self.context_length))
+        else:
+            max_new = max(self.context_length - prompt_len - 1, 0)
+            eos_at = min(self.config.natural_output_tokens, max_new) or None
+        req = SimRequest(
+            rid=gen.rid,
+            prompt_ids=gen.prompt_ids,
+            max_new_tokens=max_new,
+            ignore_eos=gen.ignore_eos,
+            eos_at=eos_at,
+            namespace=gen.namespace,
+            stream=stream_outputs,
+        )
+        return self.driver.submit(req)
+
+    def _rid(self, body: dict[str, Any]) -> str:
+        rid = body.get("rid")
+        if rid is None:
+            return uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise api.wrong_type("rid", "string", rid)
+        return rid
+
+    def _namespace(self, body: dict[str, Any]) -> str:
+        lora = body.get("lora_path")
+        model = body.get("model")
+        if not lora and isinstance(model, str) and ":" in model:
+            lora = model.split(":", 1)[1]
+        extra, salt = body.get("extra_key"), body.get("cache_salt")
+        parts = [str(lora or ""), str(extra or ""), str(salt or "")]
+        return "\x1f".join(parts) if any(parts) else ""
+
+    @staticmethod
+    def _int(body: dict[str, Any], name: str, default: int | None) -> int | None:
+        value = body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+            raise api.wrong_type(name, "integer", value)
+        if not 0 <= value < _MAX_INT:
+            raise ApiError(400, api.error_object(f"{name} must be >= 0", "BadRequest", 400))
+        return int(value)
+
+    @staticmethod
+    def _token_ids(name: str, value: Any) -> list[int]:
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value
+        ):
+            raise api.wrong_type(name, "list of token ids", value)
+        return value
