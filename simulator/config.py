@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import orjson
+
 from simulator.faults import Faults
 from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
 
@@ -73,8 +75,6 @@ class SimConfig:
         self.resolved_profile()
         self.faults.validate()
         if self.kv_events_config is not None:
-            from simulator.http.kv_publisher import KVEventsConfig  # needs the kv-events extra
-
             KVEventsConfig.from_json(self.kv_events_config)
 
     def _validate_llamacpp(self) -> None:
@@ -88,3 +88,43 @@ class SimConfig:
             )
         if self.kv_events_config is not None:
             raise ValueError("kv_events_config is SGLang's; llama.cpp publishes no KV events")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """SGLang's ``--kv-events-config`` (``KVEventsConfig``), the fields the simulator uses.
+
+    An endpoint port of ``*`` or ``0`` binds an ephemeral port (tests); the descriptor
+    in ``/server_info`` reports the port actually bound.
+    """
+
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse the JSON string; unknown keys are ignored as pydantic would keep them."""
+        raw = orjson.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("kv-events-config must be a JSON object")
+        cfg = cls(
+            publisher=str(raw.get("publisher", "null")),
+            endpoint=str(raw.get("endpoint", "tcp://*:5557")),
+            replay_endpoint=raw.get("replay_endpoint"),
+            buffer_steps=int(raw.get("buffer_steps", 10_000)),
+            hwm=int(raw.get("hwm", 100_000)),
+            topic=str(raw.get("topic", "")),
+        )
+        if cfg.publisher not in ("null", "zmq"):
+            raise ValueError(f"unknown kv events publisher {cfg.publisher!r}")
+        if cfg.buffer_steps < 1:
+            raise ValueError("buffer_steps must be at least 1")
+        return cfg
+
+    @property
+    def enabled(self) -> bool:
+        return self.publisher == "zmq"

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import orjson
 import zmq
 import zmq.asyncio
 
+from simulator.config import KVEventsConfig
 from simulator.model.radix_cache import TreeNode
 
 END_SEQ = 2**64 - 1
@@ -53,47 +53,7 @@ _NS_PREFIX = b"sglang-sim-kv-namespace-v1\x00"
 _SEQ = struct.Struct(">Q")
 
 
-# ---------------------------------------------------------------------- config
-@dataclass(frozen=True, slots=True)
-class KVEventsConfig:
-    """SGLang's ``--kv-events-config`` (``KVEventsConfig``), the fields the simulator uses.
-
-    An endpoint port of ``*`` or ``0`` binds an ephemeral port (tests); the descriptor
-    in ``/server_info`` reports the port actually bound.
-    """
-
-    publisher: str = "null"
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    topic: str = ""
-
-    @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        """Parse the JSON string; unknown keys are ignored as pydantic would keep them."""
-        raw = orjson.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("kv-events-config must be a JSON object")
-        cfg = cls(
-            publisher=str(raw.get("publisher", "null")),
-            endpoint=str(raw.get("endpoint", "tcp://*:5557")),
-            replay_endpoint=raw.get("replay_endpoint"),
-            buffer_steps=int(raw.get("buffer_steps", 10_000)),
-            hwm=int(raw.get("hwm", 100_000)),
-            topic=str(raw.get("topic", "")),
-        )
-        if cfg.publisher not in ("null", "zmq"):
-            raise ValueError(f"unknown kv events publisher {cfg.publisher!r}")
-        if cfg.buffer_steps < 1:
-            raise ValueError("buffer_steps must be at least 1")
-        return cfg
-
-    @property
-    def enabled(self) -> bool:
-        return self.publisher == "zmq"
-
-
+# ---------------------------------------------------------------------- endpoints
 def offset_endpoint(endpoint: str, offset: int) -> str:
     """``tcp://host:port`` with ``port + offset`` (ephemeral ``*``/``0`` stays ephemeral)."""
     head, _, port = endpoint.rpartition(":")

@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from simulator.config import SimConfig
 from simulator.model.radix_cache import TOKEN_BYTES, CacheListener, encode_tokens
 from simulator.model.radix_state import RadixState, ReqState
 from simulator.model.requests import Finish, RequestOutput, StepKind, StepResult
+from simulator.model.settings import WorkerSettings
 from simulator.model.tokenizer import default_tokenizer
 
 DECODE_LOG_INTERVAL = 40  # SGLang --decode-log-interval: gauge refresh cadence
@@ -60,9 +60,12 @@ class WorkerModel(RadixState):
     :class:`RadixState`'s."""
 
     @classmethod
-    def from_config(cls, config: SimConfig, listener: CacheListener | None = None) -> WorkerModel:
-        """The model of one worker configured by ``config``, exactly as the HTTP simulator
-        builds it (the offline replay uses this too, so both run the same worker)."""
+    def from_config(
+        cls, config: WorkerSettings, listener: CacheListener | None = None
+    ) -> WorkerModel:
+        """The model of one worker configured by ``config`` (a
+        :class:`simulator.config.SimConfig`), as the HTTP simulator builds it; an offline
+        replay that builds its workers here runs the same worker as the live fleet."""
         profile = config.resolved_profile()
         context = config.context_length or profile.context_length
         return cls(

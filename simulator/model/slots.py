@@ -47,7 +47,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from simulator.config import SimConfig
 from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
 from simulator.model.radix_cache import (
     TOKEN_BYTES,
@@ -65,6 +64,7 @@ from simulator.model.requests import (
     planned_output,
     pseudo_text_output,
 )
+from simulator.model.settings import WorkerSettings
 from simulator.model.tokenizer import default_tokenizer
 
 SLOT_PROMPT_SIMILARITY = 0.1  # llama.cpp --slot-prompt-similarity
@@ -186,8 +186,9 @@ class SlotWorkerModel:
     output_source: OutputSource = pseudo_text_output
 
     @classmethod
-    def from_config(cls, config: SimConfig) -> SlotWorkerModel:
-        """The model of one worker configured by ``config`` (``engine="llamacpp"``)."""
+    def from_config(cls, config: WorkerSettings) -> SlotWorkerModel:
+        """The model of one worker configured by ``config`` (a :class:`simulator.config.SimConfig`
+        with ``engine="llamacpp"``)."""
         profile = config.resolved_profile()
         context = config.context_length or profile.context_length
         return cls(

@@ -29,8 +29,9 @@ from gateway.exact.kv_events import (
 )
 from gateway.exact.tokenizer import load_tokenizer
 from loadtests.harness.inprocess import SIM_TOKENIZER
+from simulator.config import KVEventsConfig
 from simulator.http.kv_publisher import BlockStored as SimStored
-from simulator.http.kv_publisher import KVEventPublisher, KVEventsConfig, encode_batch
+from simulator.http.kv_publisher import KVEventPublisher, encode_batch
 from simulator.model.radix_cache import RadixCache, encode_tokens
 
 NS0 = (None, None, None)

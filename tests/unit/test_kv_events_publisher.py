@@ -11,6 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from simulator.config import KVEventsConfig
 from simulator.http.kv_publisher import (
     END_SEQ,
     AllBlocksCleared,
@@ -18,7 +19,6 @@ from simulator.http.kv_publisher import (
     BlockStored,
     EventRecorder,
     KVEventPublisher,
-    KVEventsConfig,
     digest_to_hash,
     encode_batch,
     page_digests,

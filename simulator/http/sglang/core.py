@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from simulator.config import SimConfig
+from simulator.config import KVEventsConfig, SimConfig
 from simulator.http import api
 from simulator.http.api import ApiError
 from simulator.http.base import HttpWorker
@@ -79,7 +79,7 @@ class SGLangCore(HttpWorker):
         """The KV event publisher when ``kv_events_config`` enables one (ports + index)."""
         if config.kv_events_config is None:
             return None
-        from simulator.http.kv_publisher import KVEventPublisher, KVEventsConfig  # optional extra
+        from simulator.http.kv_publisher import KVEventPublisher  # optional extra
 
         kv_config = KVEventsConfig.from_json(config.kv_events_config)
         if not kv_config.enabled:
