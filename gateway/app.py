@@ -34,10 +34,11 @@ from gateway.http.observe import RegistrySnapshot, TelemetryHooks, telemetry_mid
 from gateway.http.openapi import add_openapi_route
 from gateway.peers.adapters import wire_shared_state
 from gateway.routing.cost_model import CostModel
+from gateway.routing.decide import RoutingCore
 from gateway.routing.decisions import DecisionLog
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import RequestSettings
-from gateway.routing.router import Router
+from gateway.routing.router import Forwarding, Router
 from gateway.routing.slot_gate import SlotGate
 from gateway.tasks import TaskSet
 from gateway.telemetry.hub import Telemetry, TelemetryConfig
@@ -226,24 +227,19 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     app[app_keys.SESSION] = session
     app[app_keys.HEALTH] = health
     shared = wire_shared_state(app, config.redis, index, registry, health.check_now)
+    credentials = worker_credentials(
+        config.server, gateway_checks_keys=handlers.make_authenticator(config).enabled
+    )
     app[app_keys.ROUTER] = Router(
         config=config,
         registry=registry,
-        policy=policy,
-        index=index if shared is None else shared.index,
-        costs=costs,
+        core=RoutingCore(policy, index if shared is None else shared.index, costs, rng),
         outlier=outlier,
-        session=session,
-        pool=pool,
+        forwarding=Forwarding(pool, session, app[app_keys.TASKS].spawn, credentials),
         decisions=app[app_keys.DECISIONS],
-        spawn=app[app_keys.TASKS].spawn,
-        rng=rng,
         hooks=TelemetryHooks(telemetry),
-        exact=exact,
         slots=slots,
-        credentials=worker_credentials(
-            config.server, gateway_checks_keys=handlers.make_authenticator(config).enabled
-        ),
+        exact=exact,
     )
     loops = TaskSet()
     if shared is not None:

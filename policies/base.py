@@ -95,6 +95,10 @@ class RouteContext:
     rng: random.Random
     routing_key: str | None = None  # session / user / tenant affinity key, if any
     prompt_chars: int = 0  # length of the canonical prompt text
+    # the prompt's chained block hashes and the characters per block, for a policy that
+    # keeps its own record of prompts (the replay's reference rule of sglang-router)
+    block_hashes: Sequence[int] = ()
+    block_chars: int = 0
 
 
 @dataclass(frozen=True, slots=True)

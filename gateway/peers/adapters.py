@@ -39,7 +39,7 @@ from gateway.config.workerspec import KIND_NAMES
 from gateway.http import app_keys
 from gateway.peers.codec import LoadFigures
 from gateway.peers.state import ACTIVE, DRAINING, SharedSettings, SharedState
-from gateway.routing.router import PrefixMatcher
+from gateway.routing.decide import PrefixMatcher
 from gateway.workers.registry import HealthFlag, Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,8 @@ class ReplicatingIndex:
     def match(self, block_hashes: Sequence[int]) -> Mapping[str, int]:
         return self._index.match(block_hashes)
 
-    def record(self, block_hashes: Sequence[int], worker_id: str) -> None:
-        self._index.record(block_hashes, worker_id)
+    def record(self, block_hashes: Sequence[int], worker_id: str, now: float | None = None) -> None:
+        self._index.record(block_hashes, worker_id, now)
         if self._shared is not None:
             self._shared.record(block_hashes, worker_id)
 
@@ -90,11 +90,17 @@ class ReplicatingIndex:
         block_hashes: Sequence[int],
         predicted_blocks: int,
         reported_tokens: int,
+        now: float | None = None,
     ) -> Any:
-        return self._index.correct(worker_id, block_hashes, predicted_blocks, reported_tokens)
+        return self._index.correct(worker_id, block_hashes, predicted_blocks, reported_tokens, now)
 
-    def release(self, worker_id: str, block_hashes: Sequence[int]) -> None:
-        self._index.release(worker_id, block_hashes)
+    def release(
+        self, worker_id: str, block_hashes: Sequence[int], now: float | None = None
+    ) -> None:
+        self._index.release(worker_id, block_hashes, now)
+
+    def free_sequences(self, worker_id: str) -> int | None:
+        return self._index.free_sequences(worker_id)
 
     def workers(self) -> list[str]:
         return self._index.workers()

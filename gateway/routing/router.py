@@ -1,12 +1,12 @@
-"""The request path: candidates → prefix match → ``policy.select`` → record → lease →
-forward → relay → feedback, with retries on a different worker.
+"""The request path's I/O around the routing core: candidates → (``gateway.routing.decide``:
+views, ``policy.select``, record, lease) → slot gate → send → relay → feedback, with
+retries on a different worker.
 
 Contract:
 - Candidates are the registry's routable workers (or its panic set) minus the workers
-  that already failed this request.
-- The prefix index is matched only when the policy says it uses the match
-  (``Policy.uses_prefix_match``), and recorded at dispatch, before the worker answers, so
-  a burst of requests sharing a prefix co-locates.
+  that already failed this request. The decision phases themselves (matching, selection,
+  recording at dispatch, feedback to the index and cost model) are the routing core's,
+  shared with the offline replay; this module keeps only what needs I/O.
 - An attempt that fails before any byte reached the client (connect error, timeout while
   connecting, a 5xx or 429 answer, a stream dropped before its first event) is retried on
   another worker, at most ``max_retries`` times; never once streaming has begun, and never
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
@@ -41,8 +41,8 @@ from gateway.errors import GatewayError
 from gateway.forward import relay
 from gateway.forward.credentials import WorkerCredentials
 from gateway.forward.upstream import UpstreamPool, UpstreamResponse
+from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
-from gateway.routing.lease import Lease
 from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.slot_gate import SlotGate
 from gateway.workers.kinds import kind_named
@@ -53,36 +53,11 @@ from gateway.workers.outlier import (
     OutlierDetector,
 )
 from gateway.workers.registry import Worker, WorkerRegistry
-from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
 
 log = logging.getLogger(__name__)
 
 _NO_WORKER = "no worker is available to serve this request"
 _TIMEOUTS = ("timeout", "first_byte_timeout")  # attempt failures that penalise as a 5xx
-
-
-class PrefixMatcher(Protocol):
-    """What the router needs of the prefix index (``gateway.routing.prefix_index.PrefixIndex``)."""
-
-    def match(self, block_hashes: Sequence[int]) -> Mapping[str, int]: ...
-    def record(self, block_hashes: Sequence[int], worker_id: str) -> None: ...
-    def correct(
-        self,
-        worker_id: str,
-        block_hashes: Sequence[int],
-        predicted_blocks: int,
-        reported_tokens: int,
-    ) -> Any: ...
-    def release(self, worker_id: str, block_hashes: Sequence[int]) -> None: ...
-
-
-class ExactRequest(Protocol):
-    """Exact mode's view of one request (``gateway.exact.kv_events.ExactRequest``)."""
-
-    def match(self, worker_ids: Sequence[str]) -> Mapping[str, int]: ...
-    def dispatched(self, worker_id: str) -> None: ...
-    def mode(self, worker_id: str) -> str: ...
-    def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None: ...
 
 
 class ExactSource(Protocol):
@@ -91,28 +66,6 @@ class ExactSource(Protocol):
     def prepare(self, kind: str, body: bytes) -> ExactRequest: ...
 
 
-class CostSource(Protocol):
-    """What the router needs of the cost model (``gateway.routing.cost_model.CostModel``)."""
-
-    def observe(
-        self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int, ttft_s: float
-    ) -> Any: ...
-    def cost(self, worker_id: str) -> WorkerCost: ...
-
-
-class NoCosts:
-    """A cost source that knows nothing: policies fall back to their defaults."""
-
-    def observe(
-        self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int, ttft_s: float
-    ) -> None:
-        return None
-
-    def cost(self, worker_id: str) -> WorkerCost:
-        return _NO_COST
-
-
-_NO_COST = WorkerCost()
 _NO_HEADERS: Mapping[str, str] = {}
 
 
@@ -140,134 +93,64 @@ class RouterHooks:
         return _NO_HEADERS
 
 
+@dataclass(frozen=True, slots=True)
+class Forwarding:
+    """How the router reaches workers: the pool for requests, the session and task
+    spawner for fire-and-forget aborts, and what workers see of credentials."""
+
+    pool: UpstreamPool
+    session: aiohttp.ClientSession
+    spawn: Callable[[Coroutine[Any, Any, None]], object]
+    credentials: WorkerCredentials = field(
+        default_factory=lambda: WorkerCredentials(None, gateway_checks_keys=False)
+    )
+
+
+@dataclass(slots=True)
+class _Call:
+    """One client request across its attempts."""
+
+    request: web.Request
+    req: RouteRequest
+    request_id: str
+    started: float
+    exact: ExactRequest | None
+
+
 class Router:
     def __init__(
         self,
         *,
         config: GatewayConfig,
         registry: WorkerRegistry,
-        policy: Policy,
-        index: PrefixMatcher,
-        costs: CostSource,
+        core: RoutingCore,
         outlier: OutlierDetector,
-        session: aiohttp.ClientSession,
-        pool: UpstreamPool,
+        forwarding: Forwarding,
         decisions: DecisionLog,
-        spawn: Callable[[Coroutine[Any, Any, None]], object],
-        rng: random.Random,
         hooks: RouterHooks | None = None,
-        exact: ExactSource | None = None,
         slots: SlotGate | None = None,
-        credentials: WorkerCredentials | None = None,
+        exact: ExactSource | None = None,
     ) -> None:
-        self.policy = policy
-        self._exact = exact
-        self._slots = slots
-        creds = credentials or WorkerCredentials(None, gateway_checks_keys=False)
-        self._drop = creds.drop  # the client's credentials, when they must not go upstream
-        self._worker_auth = creds.session_headers()
+        self.core = core
         self.registry = registry
         self.decisions = decisions
         self.hooks = hooks or RouterHooks()
-        self._index = index
-        self._costs = costs
         self._outlier = outlier
-        self._session = session
-        self._spawn = spawn
-        self._rng = rng
+        self._fwd = forwarding
+        self._drop = forwarding.credentials.drop  # the client's, when they must not go up
+        self._worker_auth = forwarding.credentials.session_headers()
+        self._slots = slots
+        self._exact = exact
         self._max_attempts = 1 + config.retry.max_retries
         self._abort_timeout = config.server.abort_timeout_s
         self._request_timeout = config.server.request_timeout_s
-        self._pool = pool
-
-    # --- phases -------------------------------------------------------------------
-
-    def _views(
-        self, req: RouteRequest, workers: Sequence[Worker], exact: ExactRequest | None = None
-    ) -> tuple[list[WorkerView], Mapping[str, int]]:
-        """Candidates as the policy sees them, with this request's matched tokens; and the
-        matched blocks per worker id (approximate index). Workers in exact mode get their
-        matched tokens from the exact index instead (``exact``)."""
-        now = self.registry.clock()
-        matches: Mapping[str, int] = {}
-        if self.policy.uses_prefix_match and req.block_hashes:
-            matches = self._index.match(req.block_hashes)
-        exact_tokens = exact.match([w.id for w in workers]) if exact is not None else {}
-        # optional index capability (the in-process PrefixIndex has it): slot-bound workers
-        free = getattr(self._index, "free_sequences", None)
-        views = [
-            w.view(
-                now,
-                exact_tokens[w.id]
-                if w.id in exact_tokens
-                else req.matched_tokens(matches.get(w.id, 0)),
-                self._costs.cost(w.id),
-                free(w.id) if free is not None else None,
-            )
-            for w in workers
-        ]
-        return views, matches
 
     def _prepare_exact(self, req: RouteRequest) -> ExactRequest | None:
-        if self._exact is None or not self.policy.uses_prefix_match:
+        if self._exact is None or not self.core.policy.uses_prefix_match:
             return None
         if req.kind is ApiKind.EMBEDDINGS:
             return None
         return self._exact.prepare(req.kind.value, req.body)
-
-    def _select(self, req: RouteRequest, views: Sequence[WorkerView]) -> Decision:
-        if req.kind is ApiKind.EMBEDDINGS:
-            # Embeddings hold no reusable cache: routed by load alone.
-            return Decision(least_loaded(views, self._rng).id, "load")
-        if len(views) == 1 and not self.policy.uses_prefix_match:
-            return Decision(views[0].id, "only_candidate")
-        ctx = RouteContext(
-            prompt_tokens=req.prompt_tokens,
-            candidates=views,
-            rng=self._rng,
-            routing_key=req.routing_key,
-            prompt_chars=req.prompt_chars,
-        )
-        return self.policy.select(ctx)
-
-    def _dispatch(
-        self,
-        req: RouteRequest,
-        worker: Worker,
-        record: DecisionRecord,
-        exact: ExactRequest | None = None,
-    ) -> Lease:
-        if req.block_hashes and self.policy.uses_prefix_match:
-            self._index.record(req.block_hashes, worker.id)  # at dispatch: siblings co-locate
-        if exact is not None:
-            record.index_mode = exact.mode(worker.id)
-            exact.dispatched(worker.id)
-        return Lease(worker, max(0, req.prompt_tokens - record.matched_tokens))
-
-    def _feedback(
-        self,
-        req: RouteRequest,
-        worker: Worker,
-        lease: Lease,
-        predicted_blocks: int,
-        record: DecisionRecord,
-        outcome: relay.Outcome,
-        exact: ExactRequest | None = None,
-    ) -> None:
-        self._outlier.record(worker, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS)
-        reported = outcome.cached_tokens
-        if req.block_hashes and self.policy.uses_prefix_match:
-            if reported is not None:
-                self._index.correct(worker.id, req.block_hashes, predicted_blocks, reported)
-            else:
-                self._index.release(worker.id, req.block_hashes)
-        if exact is not None and reported is not None and record.index_mode is not None:
-            exact.observe(worker.id, record.index_mode, record.matched_tokens, reported)
-        if outcome.ttft_s is not None and outcome.status == 200:
-            uncached = req.prompt_tokens - (
-                reported if reported is not None else record.matched_tokens
-            )
-            self._costs.observe(worker.id, max(0, uncached), lease.queued_ahead, outcome.ttft_s)
 
     # --- the request --------------------------------------------------------------
 
@@ -275,26 +158,24 @@ class Router:
         self, request: web.Request, req: RouteRequest, request_id: str
     ) -> web.StreamResponse:
         """Route, forward and relay one parsed request; raises GatewayError on failure."""
-        started = time.perf_counter()
+        call = _Call(request, req, request_id, time.perf_counter(), self._prepare_exact(req))
         excluded: list[str] = []
         failure: relay.AttemptFailed | None = None
         worker: Worker | None = None
         record: DecisionRecord | None = None
         status = 503
-        exact = self._prepare_exact(req)
         try:
             for attempt in range(self._max_attempts):
                 workers = self.registry.candidates(excluded)
                 if not workers:
                     break
-                views, matches = self._views(req, workers, exact)
-                decision = self._select(req, views)
-                worker = self.registry.get(decision.worker_id) or workers[0]
+                choice = self.core.choose(req, workers, self.registry.clock(), call.exact)
+                worker = choice.worker
                 record = DecisionRecord.from_decision(
                     request_id=request_id,
-                    policy=self.policy.name,
-                    decision=decision,
-                    candidates=views,
+                    policy=self.core.policy.name,
+                    decision=choice.decision,
+                    candidates=choice.views,
                     prompt_tokens=req.prompt_tokens,
                     model=req.model,
                 )
@@ -302,18 +183,7 @@ class Router:
                 self.hooks.decided(record)
                 final = attempt == self._max_attempts - 1 or len(workers) == 1
                 try:
-                    response = await self._attempt(
-                        request,
-                        req,
-                        worker,
-                        record,
-                        request_id,
-                        final,
-                        started,
-                        attempt,
-                        matches.get(worker.id, 0),
-                        exact,
-                    )
+                    response = await self._attempt(call, choice, record, final, attempt)
                 except relay.AttemptFailed as exc:
                     failure = exc
                     excluded.append(worker.id)
@@ -331,35 +201,28 @@ class Router:
                 return error
             raise error
         finally:
-            self.hooks.finished(req.kind, worker, status, record, time.perf_counter() - started)
+            elapsed = time.perf_counter() - call.started
+            self.hooks.finished(req.kind, worker, status, record, elapsed)
 
     async def _attempt(
-        self,
-        request: web.Request,
-        req: RouteRequest,
-        worker: Worker,
-        record: DecisionRecord,
-        request_id: str,
-        final: bool,
-        started: float,
-        attempt: int,
-        predicted_blocks: int,
-        exact: ExactRequest | None = None,
+        self, call: _Call, choice: Choice, record: DecisionRecord, final: bool, attempt: int
     ) -> web.StreamResponse:
-        rid = req.rid or request_id
-        slots = self._slots if req.block_hashes and self.policy.uses_prefix_match else None
+        req, worker = call.req, choice.worker
+        rid = req.rid or call.request_id
+        slots = self._slots if self.core.uses_index(req) else None
         # before the index records this prompt there: the gate compares it with the chains
         # the worker holds now (a slot-bound worker's, else nothing is held)
         ticket = slots.enter(worker.id, req.block_hashes) if slots is not None else None
         try:
-            lease = self._dispatch(req, worker, record, exact)
+            lease = self.core.dispatch(req, choice, self.registry.clock(), call.exact)
         except BaseException:
             if slots is not None and ticket is not None:
                 slots.leave(ticket)
             raise
+        record.index_mode = choice.index_mode
         upstream: UpstreamResponse | None = None
         extra = {
-            "x-request-id": request_id,
+            "x-request-id": call.request_id,
             "x-gateway-worker": worker.url,
             "x-gateway-matched-tokens": str(record.matched_tokens),
         }
@@ -367,9 +230,9 @@ class Router:
             if slots is not None and ticket is not None and ticket.waiting is not None:
                 record.slot_wait_s = await slots.wait(ticket)  # counted in in-flight meanwhile
             sent_at = time.perf_counter()  # TTFT counts from dispatch, not from the head
-            upstream = await self._send(req, worker, rid, request)
+            upstream = await self._send(req, worker, rid, call.request)
             response, outcome = await relay.relay(
-                request,
+                call.request,
                 upstream,
                 stream=req.stream,
                 final=final,
@@ -389,17 +252,18 @@ class Router:
                 slots.leave(ticket)
             if upstream is not None:
                 upstream.release()
-        self._feedback(req, worker, lease, predicted_blocks, record, outcome, exact)
+        self._outlier.record(worker, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS)
+        self.core.feedback(req, choice, lease, outcome, self.registry.clock(), call.exact)
         record.outcome = DecisionOutcome(
             status=outcome.status,
             ttft_s=outcome.ttft_s,
             reported_cached_tokens=outcome.cached_tokens,
             retries=attempt,
-            duration_s=time.perf_counter() - started,
+            duration_s=time.perf_counter() - call.started,
         )
         if outcome.failed_mid_stream:
             self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
-            log.warning("request %s: worker %s failed mid-stream", request_id, worker.url)
+            log.warning("request %s: worker %s failed mid-stream", call.request_id, worker.url)
         return response
 
     async def _send(
@@ -412,7 +276,9 @@ class Router:
         deadline = asyncio.get_running_loop().time() + self._request_timeout
         aborts = kind_named(worker.kind).abort_path is not None
         body = req.body_with_rid(rid) if aborts else req.body
-        return await relay.send(self._pool, worker.url, request.raw_path, body, headers, deadline)
+        return await relay.send(
+            self._fwd.pool, worker.url, request.raw_path, body, headers, deadline
+        )
 
     def _attempt_failed(
         self, worker: Worker, rid: str, exc: relay.AttemptFailed, upstream: UpstreamResponse | None
@@ -429,7 +295,9 @@ class Router:
             upstream.close()  # the only abort llama.cpp honours (streamed requests only)
         path = kind_named(worker.kind).abort_path
         if path is not None:
-            self._spawn(relay.abort(self._session, worker.url, rid, self._abort_timeout, path))
+            self._fwd.spawn(
+                relay.abort(self._fwd.session, worker.url, rid, self._abort_timeout, path)
+            )
 
 
 def _final_error(

@@ -20,29 +20,22 @@ on prompts of thousands of characters; the per-worker size bound
 instead of by a job every 60 s. With the default bound nothing is evicted on the bundled
 traces in either case.
 
-It needs the request's block hashes, which a :class:`~policies.base.RouteContext` does
-not carry: the replay calls :meth:`SglangCacheAware.select_prompt` (the
-:class:`PromptAwarePolicy` capability) instead of ``select``.
+It reads the request's block hashes and block size from the
+:class:`~policies.base.RouteContext` (``block_hashes``, ``block_chars``), which the
+routing core fills for every policy; it does not use the gateway's prefix index
+(``uses_prefix_match`` is False), so the core neither matches nor records for it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 from policies.base import Decision, Policy, RouteContext, WorkerView
 
 REFERENCE_NAME = "sglang_cache_aware"
-
-
-@runtime_checkable
-class PromptAwarePolicy(Protocol):
-    """A policy that reads the prompt's block hashes and records its own decisions."""
-
-    def select_prompt(
-        self, ctx: RouteContext, block_hashes: Sequence[int], block_chars: int
-    ) -> Decision: ...
+_BLOCK_CHARS = 64  # the gateway's default block size, when a context names none
 
 
 class SglangCacheAware(Policy):
@@ -65,12 +58,8 @@ class SglangCacheAware(Policy):
         self._lru: dict[str, OrderedDict[int, None]] = {}
 
     def select(self, ctx: RouteContext) -> Decision:
-        """Without the prompt, only the load rule applies."""
-        return self.select_prompt(ctx, (), 64)
-
-    def select_prompt(
-        self, ctx: RouteContext, block_hashes: Sequence[int], block_chars: int
-    ) -> Decision:
+        """Without block hashes in ``ctx``, only the load rule applies."""
+        block_hashes, block_chars = ctx.block_hashes, ctx.block_chars or _BLOCK_CHARS
         views = ctx.candidates
         loads = [w.in_flight for w in views]
         hi, lo = max(loads), min(loads)

@@ -1,18 +1,19 @@
-"""The replay's discrete-event loop: N simulated workers behind the gateway's own parts.
+"""The replay's discrete-event loop: N simulated workers behind the gateway's own routing core.
 
 One virtual clock, one heap of events (worker step completions; arrivals are merged in
-from the sorted workload). Per request, exactly the live router's phases
-(``gateway.routing.router``): views built by ``gateway.workers.registry.Worker.view``
-from the counters ``gateway.routing.lease.Lease`` keeps (in flight, uncached prompt tokens
-queued until the first
-token, decoding requests), the prefix match from ``gateway.routing.prefix_index.PrefixIndex``
-(when the policy uses it), the policy object's ``select``, ``record`` at dispatch, and at
-the end of the response (as the live router, which reads ``cached_tokens`` from the
-final usage chunk) ``correct`` with the worker's reported cached tokens and
-``CostModel.observe`` with the TTFT; the lease moves to decoding at the first token.
-Engine load (``/v1/loads``) is polled every ``engine_load_interval_s`` as the gateway's
-poller does. The worker model is the simulator's, unchanged, driven through
-:class:`~loadtests.replay.workers.SimWorker`.
+from the sorted workload). Per request, the live router's decision phases, called from
+the one place they are written (``gateway.routing.decide.RoutingCore``): views built from
+the counters ``gateway.routing.lease.Lease`` keeps (in flight, uncached prompt tokens
+queued until the first token, decoding requests), the prefix match from
+``gateway.routing.prefix_index.PrefixIndex``, the policy object's ``select``, ``record``
+at dispatch and, at the end of the response (as the live router, which reads
+``cached_tokens`` from the final usage chunk), the feedback with the worker's reported
+cached tokens and the TTFT; the lease moves to decoding at the first token. Engine load
+(``/v1/loads``) is polled every ``engine_load_interval_s`` as the gateway's poller does.
+The worker model is the simulator's, unchanged, driven through
+:class:`~loadtests.replay.workers.SimWorker`. What the replay does not model: transport
+failures, retries and outlier ejection (every worker answers), the slot gate's waits, and
+exact mode.
 
 Events at the same instant: step completions before arrivals (a token produced at ``t`` is
 seen by a request arriving at ``t``), ties in insertion order: the run is deterministic
@@ -28,15 +29,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.routing.cost_model import CostModel
+from gateway.routing.decide import Choice, RoutingCore
 from gateway.routing.lease import Lease
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import RouteRequest
 from gateway.workers.registry import Worker
 from loadtests.replay.metrics import BusyInterval, RequestRecord
-from loadtests.replay.sglang_rule import PromptAwarePolicy
 from loadtests.replay.workers import SimOutput, SimWorker
 from loadtests.workloads.base import WorkloadRequest
-from policies.base import Decision, Policy, RouteContext, WorkerView
+from policies.base import Policy
 
 FIRST_PORT = 18001
 INDEX_SWEEP_S = 60.0  # the gateway's eviction_interval_s
@@ -63,8 +64,17 @@ class _InFlight:
     record: RequestRecord
     route: RouteRequest
     lease: Lease
-    worker: Worker
-    predicted_blocks: int
+    choice: Choice
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """A complete response as the routing core's feedback reads it (every worker of the
+    replay answers 200 and reports its cached tokens)."""
+
+    ttft_s: float | None
+    cached_tokens: int | None
+    status: int = 200
 
 
 @dataclass(slots=True)
@@ -111,6 +121,7 @@ class Simulation:
             self.index.set_capacity(w.id, capacity_tokens)
         self.prepare = prepare
         self.rng = random.Random(seed)
+        self.core = RoutingCore(policy, self.index, self.costs, self.rng)
         self.timeline = _Timeline(timeline_every_s)
         self._events: list[tuple[float, int, int]] = []  # (time, seq, worker index)
         self._pending: dict[int, tuple[float, list[SimOutput]]] = {}
@@ -118,6 +129,7 @@ class Simulation:
         self._seq = 0
         self._live: dict[str, _InFlight] = {}
         self.records: list[RequestRecord] = []
+        self.reasons: list[str] = []  # each decision's reason, in arrival order
         self.intervals: list[BusyInterval] = []
         self.rejected = 0
         self._poll_s = engine_load_interval_s
@@ -163,30 +175,6 @@ class Simulation:
 
     # --- the router's phases ----------------------------------------------------------
 
-    def _views(self, route: RouteRequest, now: float) -> tuple[list[WorkerView], dict[str, int]]:
-        matches: dict[str, int] = {}
-        if self.policy.uses_prefix_match and route.block_hashes:
-            matches = dict(self.index.match(route.block_hashes))
-        views = [
-            w.view(now, route.matched_tokens(matches.get(w.id, 0)), self.costs.cost(w.id))
-            for w in self.gw
-        ]
-        return views, matches
-
-    def _select(self, route: RouteRequest, views: list[WorkerView]) -> Decision:
-        if len(views) == 1 and not self.policy.uses_prefix_match:
-            return Decision(views[0].id, "only_candidate")  # as gateway.routing.router does
-        ctx = RouteContext(
-            prompt_tokens=route.prompt_tokens,
-            candidates=views,
-            rng=self.rng,
-            routing_key=route.routing_key,
-            prompt_chars=route.prompt_chars,
-        )
-        if isinstance(self.policy, PromptAwarePolicy):
-            return self.policy.select_prompt(ctx, route.block_hashes, route.block_chars)
-        return self.policy.select(ctx)
-
     def _poll_loads(self, now: float) -> None:
         """The gateway's load poller: every ``engine_load_interval_s``, each worker's
         ``/v1/loads`` figures (read lazily at the next decision, stamped with the tick)."""
@@ -204,23 +192,18 @@ class Simulation:
         self._poll_loads(now)
         prepared = self.prepare(req)
         route = prepared.route
-        views, matches = self._views(route, now)
-        decision = self._select(route, views)
-        k = next(i for i, w in enumerate(self.gw) if w.id == decision.worker_id)
-        worker = self.gw[k]
-        predicted_blocks = matches.get(worker.id, 0)
-        predicted = route.matched_tokens(predicted_blocks)
-        if route.block_hashes:
-            self.index.record(route.block_hashes, worker.id, now)
-        lease = Lease(worker, max(0, route.prompt_tokens - predicted))
+        choice = self.core.choose(route, self.gw, now)
+        k = self.gw.index(choice.worker)
+        lease = self.core.dispatch(route, choice, now)
         true_matches = [sim.true_match(prepared.prompt_key) for sim in self.sims]
         record = RequestRecord(
-            index=req.index, arrival_s=now, worker=worker.id,
+            index=req.index, arrival_s=now, worker=choice.worker.id,
             prompt_tokens=prepared.prompt_tokens, output_tokens=req.max_tokens,
-            predicted_tokens=predicted, true_match_tokens=true_matches[k],
+            predicted_tokens=choice.matched_tokens, true_match_tokens=true_matches[k],
             best_match_tokens=max(true_matches),
         )  # fmt: skip
         self.records.append(record)
+        self.reasons.append(choice.decision.reason)
         rid = f"r{req.index}"
         try:
             self.sims[k].submit(rid, prepared.prompt_key, req.max_tokens, now)
@@ -228,7 +211,7 @@ class Simulation:
             self.rejected += 1
             lease.release()
             return
-        self._live[rid] = _InFlight(record, route, lease, worker, predicted_blocks)
+        self._live[rid] = _InFlight(record, route, lease, choice)
         self._start_step(k, now)
 
     def _deliver(self, out: SimOutput, now: float) -> None:
@@ -243,23 +226,7 @@ class Simulation:
         if out.finished:
             rec.finish_s = now
             live.lease.release()
-            self._feedback(live)
+            ttft = None if rec.first_token_s is None else rec.first_token_s - rec.arrival_s
+            outcome = _Outcome(ttft, rec.cached_tokens)
+            self.core.feedback(live.route, live.choice, live.lease, outcome, now)
             del self._live[out.rid]
-
-    def _feedback(self, live: _InFlight) -> None:
-        """As the live router, once the response is complete: index correction with the
-        reported cached tokens, cost model with the TTFT."""
-        route, rec = live.route, live.record
-        if route.block_hashes and self.policy.uses_prefix_match:
-            self.index.correct(
-                live.worker.id,
-                route.block_hashes,
-                live.predicted_blocks,
-                rec.cached_tokens,
-                rec.finish_s,
-            )
-        if rec.first_token_s is not None:
-            uncached = max(0, route.prompt_tokens - rec.cached_tokens)
-            self.costs.observe(
-                live.worker.id, uncached, live.lease.queued_ahead, rec.first_token_s - rec.arrival_s
-            )

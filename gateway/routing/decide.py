@@ -1,0 +1,203 @@
+"""The synchronous phases of one routing decision, written once: views with the prefix
+match → ``policy.select`` → record → lease → feedback.
+
+Contract:
+- No I/O, no clock of its own, no asyncio: every phase that needs the time takes ``now``.
+  The live router (``gateway.routing.router``) calls these phases around what needs I/O
+  (the slot gate's wait, sending, relaying, retries, aborts); the offline replay
+  (``loadtests.replay.sim``) calls the very same phases on a virtual clock. A routing
+  rule changed here changes both; a test holds the two drivers to the same decisions.
+- :meth:`RoutingCore.choose`: candidates (health-filtered by the caller) become
+  :class:`~policies.base.WorkerView` s with this request's matched tokens — from the
+  exact index for workers in exact mode, else from the approximate prefix index, matched
+  only when the policy says it uses the match (``Policy.uses_prefix_match``) — and the
+  policy selects among them. Embeddings hold no reusable cache: they go to the least
+  loaded worker. One candidate and a policy that ignores the match: no policy call.
+- :meth:`RoutingCore.dispatch`: the prompt is recorded in the index under the chosen
+  worker at dispatch, before the worker answers (so a burst sharing a prefix
+  co-locates), and a :class:`~gateway.routing.lease.Lease` counts the request there.
+- :meth:`RoutingCore.feedback`: once the response is complete, the worker's reported
+  cached tokens correct the index (or release the recording when it reported none),
+  calibrate exact mode's fidelity, and the TTFT of a successful response calibrates the
+  cost model. Health feedback (outlier detection) stays with the live router: it is
+  about transport outcomes the replay does not model.
+
+Cost: one index match (O(w log n)) and one policy call per decision; nothing allocated
+per candidate beyond its view.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.routing.lease import Lease
+from gateway.routing.request import ApiKind, RouteRequest
+from gateway.workers.registry import Worker
+from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
+
+
+class PrefixMatcher(Protocol):
+    """What the core needs of the prefix index (``gateway.routing.prefix_index``)."""
+
+    def match(self, block_hashes: Sequence[int]) -> Mapping[str, int]: ...
+    def record(
+        self, block_hashes: Sequence[int], worker_id: str, now: float | None = None
+    ) -> None: ...
+    def correct(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[int],
+        predicted_blocks: int,
+        reported_tokens: int,
+        now: float | None = None,
+    ) -> Any: ...
+    def release(
+        self, worker_id: str, block_hashes: Sequence[int], now: float | None = None
+    ) -> None: ...
+    def free_sequences(self, worker_id: str) -> int | None: ...
+
+
+class ExactRequest(Protocol):
+    """Exact mode's view of one request (``gateway.exact.kv_events.ExactRequest``)."""
+
+    def match(self, worker_ids: Sequence[str]) -> Mapping[str, int]: ...
+    def dispatched(self, worker_id: str) -> None: ...
+    def mode(self, worker_id: str) -> str: ...
+    def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None: ...
+
+
+class CostSource(Protocol):
+    """What the core needs of the cost model (``gateway.routing.cost_model.CostModel``)."""
+
+    def observe(
+        self, worker_id: str, uncached_tokens: int, queued_tokens_ahead: int, ttft_s: float
+    ) -> Any: ...
+    def cost(self, worker_id: str) -> WorkerCost: ...
+
+
+@dataclass(slots=True)
+class Choice:
+    """One decision: the worker, the policy's decision and what it was chosen from."""
+
+    worker: Worker
+    decision: Decision
+    views: list[WorkerView]
+    predicted_blocks: int  # the approximate index's matched blocks on ``worker``
+    matched_tokens: int  # this request's prefix believed cached on ``worker``
+    index_mode: str | None = None  # exact mode's mode for ``worker``, set at dispatch
+
+
+class RoutingCore:
+    """The decision phases over one policy, prefix index and cost model."""
+
+    def __init__(
+        self, policy: Policy, index: PrefixMatcher, costs: CostSource, rng: random.Random
+    ) -> None:
+        self.policy = policy
+        self.index = index
+        self.costs = costs
+        self.rng = rng
+
+    def uses_index(self, req: RouteRequest) -> bool:
+        """Whether this request is matched against and recorded in the prefix index."""
+        return bool(req.block_hashes) and self.policy.uses_prefix_match
+
+    def choose(
+        self,
+        req: RouteRequest,
+        workers: Sequence[Worker],
+        now: float,
+        exact: ExactRequest | None = None,
+    ) -> Choice:
+        """Views of ``workers`` (non-empty) with this request's matches, and the policy's
+        pick among them."""
+        matches: Mapping[str, int] = {}
+        if self.uses_index(req):
+            matches = self.index.match(req.block_hashes)
+        exact_tokens = exact.match([w.id for w in workers]) if exact is not None else {}
+        views = [
+            w.view(
+                now,
+                exact_tokens[w.id]
+                if w.id in exact_tokens
+                else req.matched_tokens(matches.get(w.id, 0)),
+                self.costs.cost(w.id),
+                self.index.free_sequences(w.id),
+            )
+            for w in workers
+        ]
+        decision = self._select(req, views)
+        worker = next((w for w in workers if w.id == decision.worker_id), workers[0])
+        matched = next((v.matched_tokens for v in views if v.id == worker.id), 0)
+        return Choice(worker, decision, views, matches.get(worker.id, 0), matched)
+
+    def _select(self, req: RouteRequest, views: Sequence[WorkerView]) -> Decision:
+        if req.kind is ApiKind.EMBEDDINGS:
+            return Decision(least_loaded(views, self.rng).id, "load")
+        if len(views) == 1 and not self.policy.uses_prefix_match:
+            return Decision(views[0].id, "only_candidate")
+        ctx = RouteContext(
+            prompt_tokens=req.prompt_tokens,
+            candidates=views,
+            rng=self.rng,
+            routing_key=req.routing_key,
+            prompt_chars=req.prompt_chars,
+            block_hashes=req.block_hashes,
+            block_chars=req.block_chars,
+        )
+        return self.policy.select(ctx)
+
+    def dispatch(
+        self,
+        req: RouteRequest,
+        choice: Choice,
+        now: float,
+        exact: ExactRequest | None = None,
+    ) -> Lease:
+        """Record the prompt under the chosen worker and lease it the request."""
+        worker = choice.worker
+        if self.uses_index(req):
+            self.index.record(req.block_hashes, worker.id, now)  # at dispatch: co-locate
+        if exact is not None:
+            choice.index_mode = exact.mode(worker.id)
+            exact.dispatched(worker.id)
+        return Lease(worker, max(0, req.prompt_tokens - choice.matched_tokens))
+
+    def feedback(
+        self,
+        req: RouteRequest,
+        choice: Choice,
+        lease: Lease,
+        outcome: ResponseOutcome,
+        now: float,
+        exact: ExactRequest | None = None,
+    ) -> None:
+        """Learn from a complete response: index correction, exact-mode fidelity, cost."""
+        wid = choice.worker.id
+        reported = outcome.cached_tokens
+        if self.uses_index(req):
+            if reported is not None:
+                self.index.correct(wid, req.block_hashes, choice.predicted_blocks, reported, now)
+            else:
+                self.index.release(wid, req.block_hashes, now)
+        if exact is not None and reported is not None and choice.index_mode is not None:
+            exact.observe(wid, choice.index_mode, choice.matched_tokens, reported)
+        if outcome.ttft_s is not None and outcome.status == 200:
+            known = reported if reported is not None else choice.matched_tokens
+            uncached = max(0, req.prompt_tokens - known)
+            self.costs.observe(wid, uncached, lease.queued_ahead, outcome.ttft_s)
+
+
+class ResponseOutcome(Protocol):
+    """What a complete response told (``gateway.forward.relay.Outcome`` live, the worker
+    model's figures in the replay)."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def ttft_s(self) -> float | None: ...
+    @property
+    def cached_tokens(self) -> int | None: ...
