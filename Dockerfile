@@ -1,11 +1,11 @@
-# The gateway only: slim base, non-root user, health check.
+# The gateway only (its two packages: gateway/ and policies/; the simulator and the load
+# tests stay out of the image, and the gateway imports neither): slim base, non-root
+# user, health check.
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY policies ./policies
-COPY simulator ./simulator
-COPY loadtests ./loadtests
 RUN pip install --no-cache-dir --prefix=/install .
 
 FROM python:3.11-slim

@@ -23,12 +23,16 @@ browser-deps:
 test: install browser-deps
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
+# The layering contracts (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md) run in
+# both targets.
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 demo: install
 	$(PY) -m loadtests.demo --config config/demo.yaml

@@ -15,6 +15,7 @@ import inspect
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -162,10 +163,17 @@ def make_kv_events(
     )
 
 
-async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> AsyncIterator[None]:
-    config = app[app_keys.CONFIG]
-    registry = app[app_keys.REGISTRY]
-    session = _session(config)
+@dataclass(frozen=True, slots=True)
+class _Routing:
+    """The routing state the runtime builds: prefix index, cost model, slot gate."""
+
+    index: PrefixIndex
+    costs: CostModel
+    slots: SlotGate
+    block_tokens: float  # estimated tokens per hashed block
+
+
+def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
     block_tokens = config.request.block_chars / config.request.chars_per_token
     index = PrefixIndex(
         block_tokens=block_tokens,
@@ -182,68 +190,50 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         return (costs.cost(worker_id).prefill_per_token_s or 0.0) * block_tokens
 
     slots = SlotGate(index, config.prefix_index.slot_wait_s, seconds_per_block=seconds_per_block)
-    pool = UpstreamPool(
-        config.server.connect_timeout_s,
-        max_idle_per_worker=config.server.connections_per_worker,
-        first_byte_timeout_s=config.server.first_byte_timeout_s,
-        read_idle_timeout_s=config.server.stream_idle_timeout_s,
-    )
-    health = HealthChecker(config.health, registry, session)
-    load = LoadPoller(config.load, registry, session, config.health.timeout_s)
-    outlier = OutlierDetector(config.outlier, registry, registry.clock)
+    return _Routing(index, costs, slots, block_tokens)
+
+
+def _follow_membership(
+    routing: _Routing,
+    registry: WorkerRegistry,
+    health: HealthChecker,
+    load: LoadPoller,
+    forget_elsewhere: Callable[[Worker], None],
+) -> None:
+    """Capacity learnt from probes and polls reaches the index; a removed worker is
+    forgotten everywhere."""
+    index = routing.index
 
     def set_capacity(worker: Worker) -> None:
         meta = worker.metadata
         if meta.capacity_tokens or meta.max_sequences:
             # a sequence bound alone (no context size told) leaves the block bound as is
-            tokens = meta.capacity_tokens or int(index.capacity_blocks(worker.id) * block_tokens)
+            tokens = meta.capacity_tokens or int(
+                index.capacity_blocks(worker.id) * routing.block_tokens
+            )
             index.set_capacity(worker.id, tokens, meta.max_sequences)
 
     def forget(worker: Worker) -> None:
-        slots.forget_worker(worker.id)
+        routing.slots.forget_worker(worker.id)
         index.forget_worker(worker.id)
-        costs.forget_worker(worker.id)
+        routing.costs.forget_worker(worker.id)
         load.forget(worker)
-        pool.forget(worker.url)
+        forget_elsewhere(worker)
 
-    exact = make_kv_events(config, registry, session)
-    if exact is not None:
-        await exact.start()
-    telemetry = app[app_keys.TELEMETRY]
-    telemetry.use_snapshot(
-        RegistrySnapshot(
-            registry,
-            index=index,
-            admission=app[app_keys.ADMISSION],
-            policy=policy.name,
-            modes=exact,
-        )
-    )
-    outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
-    registry.on_removed(lambda w: telemetry.forget_worker(w.id))
     health.on_metadata.append(set_capacity)
     load.on_capacity.append(set_capacity)
     registry.on_removed(forget)
-    app[app_keys.SESSION] = session
-    app[app_keys.HEALTH] = health
-    shared = wire_shared_state(app, config.redis, index, registry, health.check_now)
-    credentials = worker_credentials(
-        config.server, gateway_checks_keys=handlers.make_authenticator(config).enabled
-    )
-    app[app_keys.ROUTER] = Router(
-        config=config,
-        registry=registry,
-        core=RoutingCore(policy, index if shared is None else shared.index, costs, rng),
-        outlier=outlier,
-        forwarding=Forwarding(pool, session, app[app_keys.TASKS].spawn, credentials),
-        decisions=app[app_keys.DECISIONS],
-        hooks=TelemetryHooks(telemetry),
-        slots=slots,
-        exact=exact,
-    )
+
+
+def _loops(
+    config: GatewayConfig,
+    registry: WorkerRegistry,
+    index: PrefixIndex,
+    health: HealthChecker,
+    load: LoadPoller,
+    outlier: OutlierDetector,
+) -> TaskSet:
     loops = TaskSet()
-    if shared is not None:
-        shared.start()
     loops.spawn(health.run(), "health")
     if config.load.poll_interval_s > 0:
         loops.spawn(load.run(), "load")
@@ -255,6 +245,60 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         ),
         "index",
     )
+    return loops
+
+
+async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> AsyncIterator[None]:
+    config = app[app_keys.CONFIG]
+    registry = app[app_keys.REGISTRY]
+    telemetry = app[app_keys.TELEMETRY]
+    session = _session(config)
+    routing = _routing_state(config, registry)
+    index = routing.index
+    pool = UpstreamPool(
+        config.server.connect_timeout_s,
+        max_idle_per_worker=config.server.connections_per_worker,
+        first_byte_timeout_s=config.server.first_byte_timeout_s,
+        read_idle_timeout_s=config.server.stream_idle_timeout_s,
+    )
+    health = HealthChecker(config.health, registry, session)
+    load = LoadPoller(config.load, registry, session, config.health.timeout_s)
+    outlier = OutlierDetector(config.outlier, registry, registry.clock)
+    exact = make_kv_events(config, registry, session)
+    if exact is not None:
+        await exact.start()
+    telemetry.use_snapshot(
+        RegistrySnapshot(
+            registry,
+            index=index,
+            admission=app[app_keys.ADMISSION],
+            policy=policy.name,
+            modes=exact,
+        )
+    )
+    outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
+    registry.on_removed(lambda w: telemetry.forget_worker(w.id))
+    _follow_membership(routing, registry, health, load, lambda w: pool.forget(w.url))
+    app[app_keys.SESSION] = session
+    app[app_keys.HEALTH] = health
+    shared = wire_shared_state(app, config.redis, index, registry, health.check_now)
+    credentials = worker_credentials(
+        config.server, gateway_checks_keys=handlers.make_authenticator(config).enabled
+    )
+    app[app_keys.ROUTER] = Router(
+        config=config,
+        registry=registry,
+        core=RoutingCore(policy, index if shared is None else shared.index, routing.costs, rng),
+        outlier=outlier,
+        forwarding=Forwarding(pool, session, app[app_keys.TASKS].spawn, credentials),
+        decisions=app[app_keys.DECISIONS],
+        hooks=TelemetryHooks(telemetry),
+        slots=routing.slots,
+        exact=exact,
+    )
+    if shared is not None:
+        shared.start()
+    loops = _loops(config, registry, index, health, load, outlier)
     try:
         yield
     finally:

@@ -34,11 +34,6 @@ class TaskSet:
         if not task.cancelled() and task.exception() is not None:
             log.error("background task %s failed", task.get_name(), exc_info=task.exception())
 
-    async def wait_idle(self) -> None:
-        """Wait for the tasks running now (tests use it to see aborts land)."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
-
     async def close(self) -> None:
         tasks = list(self._tasks)
         for task in tasks:

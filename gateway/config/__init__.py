@@ -1,5 +1,11 @@
 """Typed gateway configuration: defaults with their reasons, loading, validation.
 
+One module over 600 lines on purpose: one dataclass per YAML section, each default with
+its reason, and the validation that names each key, kept side by side as
+``config/gateway.yaml`` documents them (most lines are defaults and their reasons). The
+syntaxes other modules share live beside it: worker specs (``workerspec``), the worker
+allow-list (``allowlist``) and API key files (``keyfiles``).
+
 Contract: a :class:`GatewayConfig` is built once at the edge (``load_config``) from a YAML
 file and CLI flags (flags override the file) and is immutable afterwards. Every problem is
 reported as :class:`ConfigError` naming the key (and the flag, when one exists) and what is
@@ -387,7 +393,17 @@ def _check(ok: bool, key: str, problem: str, value: Any) -> None:
 
 def validate(cfg: GatewayConfig) -> None:
     """Cross-field and range checks; raises ConfigError naming the key."""
-    s = cfg.server
+    _validate_server(cfg.server)
+    _validate_timeouts(cfg)
+    _validate_workers(cfg)
+    _validate_policy(cfg.policy)
+    _validate_kv_events(cfg.kv_events)
+    _validate_sections(cfg)
+    _validate_outlier(cfg.outlier)
+    _validate_redis(cfg.redis)
+
+
+def _validate_server(s: ServerConfig) -> None:
     _check(1 <= s.port <= 65535, "server.port", "must be in 1..65535", s.port)
     _check(bool(s.host), "server.host", "must not be empty", s.host)
     _check(s.max_payload_size > 0, "server.max_payload_size", "must be > 0", s.max_payload_size)
@@ -403,6 +419,19 @@ def validate(cfg: GatewayConfig) -> None:
         "must not be empty",
         s.request_id_headers,
     )
+    _check(
+        s.connections_per_worker >= 1,
+        "server.connections_per_worker",
+        "must be ≥ 1",
+        s.connections_per_worker,
+    )
+    if s.api_key is not None:
+        _check(bool(s.api_key), "server.api_key", "must not be empty when set", s.api_key)
+    _validate_security(s)
+
+
+def _validate_timeouts(cfg: GatewayConfig) -> None:
+    s = cfg.server
     for key, value in (
         ("server.request_timeout_s", s.request_timeout_s),
         ("server.connect_timeout_s", s.connect_timeout_s),
@@ -417,15 +446,9 @@ def validate(cfg: GatewayConfig) -> None:
         ("admission.queue_timeout_s", cfg.admission.queue_timeout_s),
     ):
         _check(value > 0, key, "must be > 0", value)
-    _check(
-        s.connections_per_worker >= 1,
-        "server.connections_per_worker",
-        "must be ≥ 1",
-        s.connections_per_worker,
-    )
-    if s.api_key is not None:
-        _check(bool(s.api_key), "server.api_key", "must not be empty when set", s.api_key)
-    _validate_security(s)
+
+
+def _validate_workers(cfg: GatewayConfig) -> None:
     for i, spec in enumerate(cfg.workers):
         try:
             validate_worker_url(parse_worker_spec(spec)[0])
@@ -443,8 +466,9 @@ def validate(cfg: GatewayConfig) -> None:
         "must be ≥ 0",
         cfg.prefix_index.slot_wait_s,
     )
-    _validate_policy(cfg.policy)
-    _validate_kv_events(cfg.kv_events)
+
+
+def _validate_sections(cfg: GatewayConfig) -> None:
     h = cfg.health
     _check(h.endpoint.startswith("/"), "health.endpoint", "must start with '/'", h.endpoint)
     _check(h.failure_threshold >= 1, "health.failure_threshold", "must be ≥ 1", h.failure_threshold)
@@ -464,8 +488,6 @@ def validate(cfg: GatewayConfig) -> None:
     _check(
         cfg.request.block_chars >= 1, "request.block_chars", "must be ≥ 1", cfg.request.block_chars
     )
-    _validate_outlier(cfg.outlier)
-    _validate_redis(cfg.redis)
     _check(cfg.retry.max_retries >= 0, "retry.max_retries", "must be ≥ 0", cfg.retry.max_retries)
     a = cfg.admission
     _check(

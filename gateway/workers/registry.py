@@ -199,7 +199,6 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self._panic_threshold = panic_threshold
         self._removed_listeners: list[Callable[[Worker], None]] = []
-        self._added_listeners: list[Callable[[Worker], None]] = []
         self.clock = clock
 
     def __len__(self) -> int:
@@ -207,9 +206,6 @@ class WorkerRegistry:
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
-
-    def on_added(self, listener: Callable[[Worker], None]) -> None:
-        self._added_listeners.append(listener)
 
     def on_removed(self, listener: Callable[[Worker], None]) -> None:
         self._removed_listeners.append(listener)
@@ -223,8 +219,6 @@ class WorkerRegistry:
             return existing, False
         worker = Worker(url, self.clock(), kind)
         self._workers[wid] = worker
-        for listener in self._added_listeners:
-            listener(worker)
         return worker, True
 
     def remove(self, worker_id: str) -> Worker | None:
