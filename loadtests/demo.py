@@ -14,14 +14,15 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import yaml
 
+from loadtests.harness.procs import NotReady, http_ok, stop_all, wait_until
+
 _READY_TIMEOUT_S = 30.0
+_STOP_GRACE_S = 10.0
 
 
 def _worker_ports(config: dict[str, object]) -> list[int]:
@@ -40,16 +41,12 @@ def _worker_ports(config: dict[str, object]) -> list[int]:
 
 
 def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]]) -> None:
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a demo process exited early while waiting for {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0):
-                return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.2)
-    raise SystemExit(f"{url} did not answer within {_READY_TIMEOUT_S:.0f} s")
+    try:
+        wait_until(lambda: http_ok(url, 1.0), _READY_TIMEOUT_S, watch=procs, interval_s=0.2)
+    except NotReady as exc:
+        if exc.exited:
+            raise SystemExit(f"a demo process exited early while waiting for {url}") from None
+        raise SystemExit(f"{url} did not answer within {_READY_TIMEOUT_S:.0f} s") from None
 
 
 _CURL_BODY = (
@@ -83,18 +80,6 @@ Press Ctrl-C to stop everything.
 """
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def serve_until_stopped(
     gateway_cmd: list[str], gateway: str, description: str, procs: list[subprocess.Popen[bytes]]
 ) -> None:
@@ -118,7 +103,7 @@ def serve_until_stopped(
         while not stop_requested and all(p.poll() is None for p in procs):
             time.sleep(0.2)
     finally:
-        _stop(procs)
+        stop_all(procs, _STOP_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         _wait_ready(f"http://127.0.0.1:{ports[-1]}/health", procs)
     except BaseException:
-        _stop(procs)
+        stop_all(procs, _STOP_GRACE_S)
         raise
     gateway_cmd = [sys.executable, "-m", "gateway", "--config", str(args.config)]
     serve_until_stopped(gateway_cmd, gateway, f"{len(ports)} simulated SGLang workers", procs)

@@ -13,7 +13,7 @@ fetches a tokenizer). Then, for each workload and each contender in turn:
 * ``direct``: no router; the client spreads requests over the workers round robin (the
   floor of proxy overhead; its cache behaviour is round robin's).
 
-Each contender's router is its own process (``loadtests.engine.gateway_proc``), started
+Each contender's router is its own process (``loadtests.harness.gateway_proc``), started
 fresh and stopped by PID. Before each run the workers' caches are flushed
 (``/flush_cache``) and their counters read; the same seeded workload is replayed open
 loop at its arrival times (``loadtests.bench.client``) and the counters read again.
@@ -58,11 +58,12 @@ from loadtests.bench.report import (
     charts,
     markdown,
     merge,
-    quantile,
 )
 from loadtests.bench.workers import deltas, flush_all, read_all, sample_busy
-from loadtests.engine.gateway_proc import free_port, run_gateway
-from loadtests.engine.sim_fleet import SimSettings, run_sim_fleet
+from loadtests.harness.gateway_proc import run_gateway
+from loadtests.harness.ports import free_port
+from loadtests.harness.sim_fleet import SimSettings, run_sim_fleet
+from loadtests.harness.stats import percentile
 from loadtests.replay.bounds import compute_bounds
 from loadtests.replay.prompts import PromptBuilder
 from loadtests.workloads import Workload, create_workload
@@ -253,7 +254,7 @@ def goals(report: WorkloadReport) -> list[str]:
         f"- failed requests: {ours.failed} (shed {ours.shed}): {mark(ours.failed == 0)}",
     ]
     if ca is not None:
-        p99, ca99 = quantile(ours.ttfts, 0.99), quantile(ca.ttfts, 0.99)
+        p99, ca99 = percentile(ours.ttfts, 99, "nearest"), percentile(ca.ttfts, 99, "nearest")
         ratio = p99 / ca99 if ca99 and not math.isnan(ca99) else float("nan")
         lines.insert(
             1,
@@ -317,7 +318,7 @@ def orchestrate(
                         print(
                             f"[bench]   ok {result.ok}/{result.sent}, cached "
                             f"{result.cached_fraction:.3f}, p99 TTFT "
-                            f"{quantile(result.ttfts, 0.99) * 1e3:.0f} ms, load "
+                            f"{percentile(result.ttfts, 99, 'nearest') * 1e3:.0f} ms, load "
                             f"{result.load_1m:.1f}",
                             file=sys.stderr,
                             flush=True,

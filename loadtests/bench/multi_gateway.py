@@ -48,6 +48,7 @@ from gateway.routing.request import ApiKind, RequestSettings, parse_request
 from gateway.workers.registry import worker_id_for
 from loadtests.harness.inprocess import GatewayHandle, run_gateway
 from loadtests.harness.redis import delete_prefix, redis_answers
+from loadtests.harness.stats import percentile
 from loadtests.workloads import Workload, WorkloadRequest, create_workload
 from simulator.fleet import SimConfig, SimulatedFleet
 
@@ -108,13 +109,6 @@ class UnionIndex:
         disagrees = best > 0 and matches.get(chosen, 0) < best
         self.index.record(hashes, chosen)
         return disagrees
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _send(
@@ -209,11 +203,11 @@ def _summarise(
         requests=len(outcomes),
         failed=len(outcomes) - len(ok),
         cached_fraction=sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
-        ttft_p50_ms=_percentile(ttfts, 0.5),
-        ttft_p99_ms=_percentile(ttfts, 0.99),
+        ttft_p50_ms=percentile(ttfts, 50, "upper"),
+        ttft_p99_ms=percentile(ttfts, 99, "upper"),
         disagreement=sum(o.disagrees for o in ok) / len(ok) if ok else 0.0,
-        lag_p50_ms=_percentile(lags, 0.5) if lags else None,
-        lag_p99_ms=_percentile(lags, 0.99) if lags else None,
+        lag_p50_ms=percentile(lags, 50, "upper") if lags else None,
+        lag_p99_ms=percentile(lags, 99, "upper") if lags else None,
     )
 
 

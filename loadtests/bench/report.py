@@ -10,14 +10,7 @@ from typing import Any
 
 from loadtests.bench.client import Outcome
 from loadtests.bench.workers import WorkerDelta
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank ``q`` quantile; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+from loadtests.harness.stats import percentile
 
 
 @dataclass
@@ -105,8 +98,8 @@ class ContenderResult:
             "ok": self.ok,
             "shed": self.shed,
             "failed": self.failed,
-            "ttft_ms": {q: quantile(ttft, p) * 1e3 for q, p in _QS.items()},
-            "e2e_ms": {q: quantile(lat, p) * 1e3 for q, p in _QS.items()},
+            "ttft_ms": {q: percentile(ttft, p, "nearest") * 1e3 for q, p in _QS.items()},
+            "e2e_ms": {q: percentile(lat, p, "nearest") * 1e3 for q, p in _QS.items()},
             "throughput_rps": self.throughput,
             "wall_s": self.wall_s,
             "cached_fraction": self.cached_fraction,
@@ -149,7 +142,7 @@ def merge(runs: Sequence[ContenderResult]) -> ContenderResult:
     )  # fmt: skip
 
 
-_QS = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+_QS = {"p50": 50, "p90": 90, "p99": 99}
 
 
 @dataclass
@@ -182,14 +175,14 @@ def markdown(report: WorkloadReport) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.results:
-        ttft, lat = r.ttfts, r.latencies
+        t50, t90, t99 = (percentile(r.ttfts, p, "nearest") for p in (50, 90, 99))
+        e50, e99 = (percentile(r.latencies, p, "nearest") for p in (50, 99))
         busy = r.busy or [float("nan")]
         ratio = r.cached_fraction / lru if lru else float("nan")
         lines.append(
             f"| {r.contender} | {r.ok} / {r.sent} | {r.shed} | {r.failed} "
-            f"| {_ms(quantile(ttft, 0.5))} / {_ms(quantile(ttft, 0.9))} / "
-            f"{_ms(quantile(ttft, 0.99))} | {_ms(quantile(lat, 0.5))} / "
-            f"{_ms(quantile(lat, 0.99))} | {r.throughput:.2f} | {r.cached_fraction:.3f} "
+            f"| {_ms(t50)} / {_ms(t90)} / {_ms(t99)} | {_ms(e50)} / {_ms(e99)} "
+            f"| {r.throughput:.2f} | {r.cached_fraction:.3f} "
             f"| {ratio:.2f} | {r.max_share:.2f} | {sum(busy) / len(busy):.2f} / {max(busy):.2f} "
             f"| {r.prefill_utilisation:.2f} | {r.load_1m:.1f} |"
         )
@@ -248,7 +241,7 @@ def charts(report: WorkloadReport, out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in report.results:
-        p99 = quantile(r.ttfts, 0.99) * 1e3
+        p99 = percentile(r.ttfts, 99, "nearest") * 1e3
         if not math.isnan(p99):
             ax.scatter([p99], [r.cached_fraction], s=25)
             ax.annotate(r.contender, (p99, r.cached_fraction), fontsize=7,

@@ -39,10 +39,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from loadtests.engine.gateway_proc import ROUTER_MODULES, run_gateway
 from loadtests.engine.llama_fleet import LlamaFleet
 from loadtests.engine.runner import Route, RunResult, run_workload, summarize
-from loadtests.engine.sim_fleet import SimSettings, run_sim_fleet
 from loadtests.engine.tiny_model import ensure_tiny_model
 from loadtests.engine.workload import (
     PrefixRequest,
@@ -50,6 +48,8 @@ from loadtests.engine.workload import (
     capacity_hint_args,
     shared_prefix_requests,
 )
+from loadtests.harness.gateway_proc import ROUTER_MODULES, run_gateway
+from loadtests.harness.sim_fleet import SimSettings, run_sim_fleet
 
 # The simulator's profile for these workers: tiny-llamacpp is fitted to REAL_ENGINE.md's
 # quiet-machine measurements of this model on one thread (simulator/model/profiles.py), so it

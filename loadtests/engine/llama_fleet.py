@@ -32,11 +32,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from loadtests.harness.procs import NotReady, http_ok, stop_all, wait_until
 
 LOOPBACK = "127.0.0.1"
 STOP_GRACE_S = 5.0  # SIGTERM → SIGKILL
@@ -148,16 +148,7 @@ class LlamaFleet:
 
     def stop(self) -> None:
         """Stop every worker by PID: SIGTERM to all, then SIGKILL to those still alive."""
-        for worker in self.workers:
-            if worker.process.poll() is None:
-                worker.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for worker in self.workers:
-            try:
-                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                worker.process.kill()
-                worker.process.wait()
+        stop_all([worker.process for worker in self.workers], STOP_GRACE_S)
 
 
 def _spawn(settings: WorkerSettings, port: int, stem: Path) -> FleetWorker:
@@ -177,28 +168,19 @@ def _spawn(settings: WorkerSettings, port: int, stem: Path) -> FleetWorker:
 
 def _wait_healthy(worker: FleetWorker, deadline: float) -> None:
     """Wait for the worker's URL file, then for ``GET /health`` → 200."""
-    while time.monotonic() < deadline:
-        if worker.process.poll() is not None:
-            raise RuntimeError(
-                f"llama.cpp worker pid {worker.pid} exited with {worker.process.returncode}:\n"
-                + _log_tail(worker.log_path)
-            )
+
+    def healthy() -> bool:
         if not worker.url and worker.url_file.exists():
             worker.url = worker.url_file.read_text().strip()
-        if worker.url and _health_ok(worker.url):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(
-        f"llama.cpp worker pid {worker.pid} not healthy in time:\n" + _log_tail(worker.log_path)
-    )
+        return bool(worker.url) and http_ok(worker.url + "/health", 2.0)
 
-
-def _health_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2.0) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+        wait_until(healthy, max(0.0, deadline - time.monotonic()), watch=[worker.process])
+    except NotReady as exc:
+        state = f"exited with {worker.process.returncode}" if exc.exited else "not healthy in time"
+        raise RuntimeError(
+            f"llama.cpp worker pid {worker.pid} {state}:\n" + _log_tail(worker.log_path)
+        ) from None
 
 
 def _log_tail(path: Path, lines: int = 20) -> str:

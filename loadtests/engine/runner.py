@@ -7,7 +7,6 @@ TTFT is client-side (first streamed event).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from loadtests.engine.client import ChatResult, engine_session, run_clients
 from loadtests.engine.probe import cache_delta, read_fleet
 from loadtests.engine.workload import PrefixRequest
+from loadtests.harness.stats import percentile
 
 Route = Callable[[PrefixRequest], str]
 
@@ -32,15 +32,6 @@ class RunResult:
     wall_s: float
     reported_fraction: float = float("nan")  # Σ usage cached_tokens / Σ prompt_tokens
     error: str = ""
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (inclusive method); NaN for no values."""
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def reported_fraction(results: Sequence[ChatResult]) -> float:
@@ -84,8 +75,8 @@ def summarize(
         requests=len(results),
         failures=len(failed),
         cached_fraction=fraction,
-        ttft_p50_s=quantile(ttfts, 0.5),
-        ttft_p90_s=quantile(ttfts, 0.9),
+        ttft_p50_s=percentile(ttfts, 50, "linear"),
+        ttft_p90_s=percentile(ttfts, 90, "linear"),
         wall_s=wall,
         reported_fraction=reported_fraction(results),
         error=failed[0].error if failed else "",

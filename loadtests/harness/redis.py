@@ -11,22 +11,14 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import shutil
-import signal
-import socket
 import subprocess
 from types import TracebackType
 
 import redis.asyncio as aioredis
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from loadtests.harness.ports import free_port
+from loadtests.harness.procs import kill
 
 
 async def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
@@ -82,10 +74,8 @@ class PrivateRedis:
     def kill(self) -> None:
         """SIGKILL by PID and reap: the server vanishes as in a crash."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        if proc is not None:
+            kill(proc)
 
     def stop(self) -> None:
         self.kill()

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,31 +24,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+from loadtests.harness.ports import free_port, free_port_range
+from loadtests.harness.procs import cpu_seconds, open_fds, rss_mib, running, wait_http
 
 
 @dataclass
@@ -64,17 +39,9 @@ class Tally:
 
 
 async def wait_ready(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
+    """Wait until ``GET url`` answers 200; RuntimeError after ``timeout_s``."""
+    if not await wait_http(url, timeout_s):
+        raise RuntimeError(f"{url} not ready")
 
 
 async def one_stream(
@@ -147,27 +114,21 @@ def fleet_and_gateway(
 ) -> Iterator[tuple[int, list[str], int]]:
     """Simulated workers in one process and the gateway in another, on loopback; yields
     (gateway pid, worker URLs, gateway port) and stops both by PID."""
-    wport, gport = free_port(), free_port()
+    wport, gport = free_port_range(workers), free_port()
     urls = [f"http://127.0.0.1:{wport + i}" for i in range(workers)]
-    sim = subprocess.Popen(
-        [sys.executable, "-m", "simulator", "--workers", str(workers), "--base-port",
-         str(wport), "--speed", str(speed)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    gw = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--port", str(gport), "--log-level", "warning",
-         *gateway_args, "--worker-urls", *urls],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+    with (
+        running(
+            [sys.executable, "-m", "simulator", "--workers", str(workers), "--base-port",
+             str(wport), "--speed", str(speed)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, grace_s=10.0,
+        ),
+        running(
+            [sys.executable, "-m", "gateway", "--port", str(gport), "--log-level", "warning",
+             *gateway_args, "--worker-urls", *urls],
+            stdout=subprocess.DEVNULL, grace_s=10.0,
+        ) as gw,
+    ):  # fmt: skip
         yield gw.pid, urls, gport
-    finally:
-        for proc in (gw, sim):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def run(args: argparse.Namespace) -> int:

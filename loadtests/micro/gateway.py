@@ -28,19 +28,21 @@ import contextlib
 import itertools
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from loadtests.harness.ports import free_port, free_port_range, free_ports
+from loadtests.harness.procs import running, wait_http
+from loadtests.harness.stats import percentile
 
 CHAT_PATH = "/v1/chat/completions"
 CHAT_BODY: dict[str, Any] = {
@@ -148,7 +150,7 @@ async def open_loop(
 
 
 def _client_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="gateway_bench client")
+    parser = argparse.ArgumentParser(prog="python -m loadtests.micro.gateway client")
     parser.add_argument("--url", nargs="+", required=True)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--concurrency", type=int, default=32)
@@ -170,62 +172,14 @@ def _client_main(argv: Sequence[str]) -> int:
 # --- the orchestrator ------------------------------------------------------------------
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+# loadtests.micro.gateway_cpu imports these two names from here.
+_free_ports = free_ports
+_consecutive_free = free_port_range
 
 
-def _consecutive_free(n: int) -> int:
-    """A base port with n consecutive free ports after it (the simulator's layout)."""
-    for base in range(21000, 60000, 97):
-        try:
-            held = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                held.append(s)
-            for s in held:
-                s.close()
-            return base
-        except OSError:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
-@contextlib.contextmanager
-def _process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-
-
-async def _wait_http(url: str, timeout_s: float, ok: tuple[int, ...] = (200,)) -> bool:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                    if resp.status in ok:
-                        return True
-            await asyncio.sleep(0.2)
-    return False
+def _process(cmd: list[str], log: Path) -> contextlib.AbstractContextManager[Any]:
+    """``cmd`` in its own session, output to ``log``; its group stopped by PID on exit."""
+    return running(cmd, log=log, grace_s=10.0, group=True)
 
 
 async def _wait_chat(url: str, timeout_s: float) -> bool:
@@ -273,13 +227,6 @@ def _run_client(
     out = subprocess.run(cmd, check=True, capture_output=True, timeout=duration * 4 + 60)
     result: dict[str, Any] = json.loads(out.stdout.decode().strip().splitlines()[-1])
     return result
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @dataclass
@@ -348,7 +295,7 @@ def _router_cmd(port: int, urls: Sequence[str]) -> list[str]:
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",
-        str(_free_ports(1)[0]),
+        str(free_port()),
     ]
 
 
@@ -374,8 +321,8 @@ def _combine(path: str, label: str, runs: Sequence[dict[str, Any]]) -> Row:
         path,
         label,
         statistics.median(r["rps"] for r in runs),
-        _pct(latencies, 0.5) * 1e3,
-        _pct(latencies, 0.99) * 1e3,
+        percentile(latencies, 50, "upper") * 1e3,
+        percentile(latencies, 99, "upper") * 1e3,
         sum(r["errors"] for r in runs),
         sum(r["requests"] for r in runs),
     )
@@ -401,7 +348,7 @@ def _table(rows: Sequence[Row]) -> str:
 
 
 async def _ready(urls: Sequence[str], gateway: str, router: str | None) -> tuple[bool, bool]:
-    ok = all(await asyncio.gather(*(_wait_http(u + "/health", 60) for u in urls)))
+    ok = all(await asyncio.gather(*(wait_http(u + "/health", 60) for u in urls)))
     ok = ok and await _wait_chat(gateway, 30)
     router_ok = bool(router) and await _wait_chat(router or "", 30)
     return ok, router_ok
@@ -410,9 +357,9 @@ async def _ready(urls: Sequence[str], gateway: str, router: str | None) -> tuple
 def _orchestrate(args: argparse.Namespace) -> str:
     logs = Path(tempfile.mkdtemp(prefix="gateway_bench_"))
     model_dir = tempfile.mkdtemp(prefix="sim_model_")
-    base = _consecutive_free(args.workers)
+    base = free_port_range(args.workers)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(args.workers)]
-    gw_port, router_port = _free_ports(2)
+    gw_port, router_port = free_ports(2)
     gateway, router = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{router_port}"
     rows: list[Row] = []
     notes: list[str] = []

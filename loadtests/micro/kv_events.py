@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from loadtests.harness.inprocess import run_gateway
+from loadtests.harness.stats import percentile
 from simulator.fleet import SimConfig, SimulatedFleet
 
 KV_CONFIG = (
@@ -116,11 +117,6 @@ async def run_mode(mode: str, args: Args, prompts: list[str]) -> Result:
     return result
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def report(results: dict[str, Result]) -> str:
     lines = [
         "| mode | precision of predicted hits | cached-token fraction | latency p50 (s) | "
@@ -131,7 +127,8 @@ def report(results: dict[str, Result]) -> str:
         precision = r.true_predicted / r.predicted if r.predicted else float("nan")
         lines.append(
             f"| {mode} | {precision:.3f} | {r.reported / max(1, r.prompt):.3f} | "
-            f"{_pct(r.latencies, 0.5):.3f} | {_pct(r.latencies, 0.99):.3f} | {r.errors} |"
+            f"{percentile(r.latencies, 50, 'upper'):.3f} | "
+            f"{percentile(r.latencies, 99, 'upper'):.3f} | {r.errors} |"
         )
     return "\n".join(lines)
 

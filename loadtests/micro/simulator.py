@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from loadtests.harness.ports import free_port_range
+from loadtests.harness.procs import cpu_seconds, running
+from loadtests.harness.stats import percentile
 from simulator.model.radix_cache import RadixCache, encode_tokens
 
 
@@ -70,7 +72,7 @@ def bench_radix(iterations: int = 300, seed: int = 0) -> RadixResult:
     times.sort()
     return RadixResult(
         median_us=statistics.median(times) * 1e6,
-        p99_us=times[int(len(times) * 0.99) - 1] * 1e6,
+        p99_us=percentile(times, 99, "lower") * 1e6,
         encode_median_us=statistics.median(encode_times) * 1e6,
         evicted_tokens=cache.evicted_total,
     )
@@ -102,32 +104,9 @@ class HttpResult:
 def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of ``pid`` (Linux /proc; None elsewhere)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return cpu_seconds(pid)
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` free consecutive ports (best effort)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base: int = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
 
 
 @contextlib.contextmanager
@@ -137,16 +116,10 @@ def simulator_process(workers: int, speed: float) -> Iterator[tuple[list[str], i
         sys.executable, "-m", "simulator", "--workers", str(workers), "--base-port", str(base),
         "--speed", str(speed), "--enable-metrics", "--enable-cache-report",
     ]  # fmt: skip
-    with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ}
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            urls = [proc.stdout.readline().decode().strip() for _ in range(workers)]
-            yield urls, proc.pid
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+    with running(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, grace_s=10.0) as proc:
+        assert proc.stdout is not None
+        urls = [proc.stdout.readline().decode().strip() for _ in range(workers)]
+        yield urls, proc.pid
 
 
 async def drive(
@@ -207,8 +180,8 @@ async def drive(
         requests=len(latencies),
         errors=errors,
         seconds=seconds,
-        p50_ms=latencies[len(latencies) // 2] * 1e3 if latencies else 0.0,
-        p99_ms=latencies[int(len(latencies) * 0.99) - 1] * 1e3 if latencies else 0.0,
+        p50_ms=percentile(latencies, 50, "upper") * 1e3 if latencies else 0.0,
+        p99_ms=percentile(latencies, 99, "lower") * 1e3 if latencies else 0.0,
         server_cpu_s=(
             cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
         ),

@@ -23,7 +23,8 @@ from urllib.parse import quote
 
 import aiohttp
 
-from loadtests.micro.connections import fleet_and_gateway, open_fds, rss_mib, wait_ready
+from loadtests.harness.procs import open_fds, rss_mib
+from loadtests.micro.connections import fleet_and_gateway, wait_ready
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ from gateway.telemetry.hub import Telemetry, TelemetryConfig
 from gateway.telemetry.series import DURATION_BUCKETS, MATCH_RATIO_BUCKETS, TTFT_BUCKETS
 from gateway.telemetry.snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
 from gateway.telemetry.tracing import TracingConfig
+from loadtests.harness.procs import cpu_seconds, running
 
 WORKERS = [f"127.0.0.1-1800{i}" for i in range(8)]
 ROUTES = ["/v1/chat/completions", "/generate"]
@@ -444,21 +444,14 @@ def _gateway_app(mode: str, worker_urls: Sequence[str]) -> web.Application:
     return gateway.app.build_app(config_from_dict(merge({}, settings)))
 
 
-def _spawn(args: Sequence[str]) -> tuple[subprocess.Popen[str], list[int]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtests.micro.telemetry", *args],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def _spawn(stack: contextlib.ExitStack, args: Sequence[str]) -> tuple[int, list[int]]:
+    """Start this module's ``args`` subcommand (stopped by PID when ``stack`` closes);
+    its PID and the ports it printed."""
+    cmd = [sys.executable, "-m", "loadtests.micro.telemetry", *args]
+    proc = stack.enter_context(running(cmd, stdout=subprocess.PIPE, text=True))
     assert proc.stdout is not None
     ports = [int(p) for p in proc.stdout.readline().split()]
-    return proc, ports
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return proc.pid, ports
 
 
 async def _load(url: str, seconds: float, concurrency: int) -> int:
@@ -490,33 +483,28 @@ async def _load(url: str, seconds: float, concurrency: int) -> int:
 
 async def _measure(url: str, pid: int, seconds: float, concurrency: int) -> tuple[float, float]:
     await _load(url, 0.5, concurrency)  # warm connections and caches
-    cpu0, t0 = _cpu_s(pid), time.monotonic()
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
     done = await _load(url, seconds, concurrency)
-    cpu, wall = _cpu_s(pid) - cpu0, time.monotonic() - t0
+    cpu, wall = cpu_seconds(pid) - cpu0, time.monotonic() - t0
     return done / wall, cpu / max(1, done) * 1e6
 
 
 def e2e(seconds: float, concurrency: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
     """mode -> [(requests/s, gateway CPU µs per request)] per round."""
-    worker, ports = _spawn(["_worker", "--ports", "0", "0", "0", "0"])
-    gateways: dict[str, tuple[subprocess.Popen[str], int]] = {}
-    try:
+    with contextlib.ExitStack() as stack:  # stops the gateways, then the worker
+        _, ports = _spawn(stack, ["_worker", "--ports", "0", "0", "0", "0"])
         urls = [f"http://127.0.0.1:{p}" for p in ports]
+        gateways: dict[str, tuple[int, int]] = {}
         for mode in MODES:
-            proc, (port,) = _spawn(["_gateway", "--mode", mode, "--workers", *urls])
-            gateways[mode] = (proc, port)
+            pid, (port,) = _spawn(stack, ["_gateway", "--mode", mode, "--workers", *urls])
+            gateways[mode] = (pid, port)
         time.sleep(1.0)  # first health probes pass
         results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
         for _ in range(rounds):
-            for mode, (proc, port) in gateways.items():
+            for mode, (pid, port) in gateways.items():
                 url = f"http://127.0.0.1:{port}"
-                results[mode].append(asyncio.run(_measure(url, proc.pid, seconds, concurrency)))
+                results[mode].append(asyncio.run(_measure(url, pid, seconds, concurrency)))
         return results
-    finally:
-        for proc, _ in [*gateways.values(), (worker, 0)]:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
 
 
 async def _gateway_main(mode: str, workers: Sequence[str]) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loadtests.harness.stats import percentile
 from loadtests.replay.bounds import Bounds
 
 PrefillTime = Callable[[int, int], float]  # (new tokens, cached tokens) -> seconds
@@ -61,22 +62,11 @@ class BusyInterval:
     duration_s: float
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank-with-interpolation percentile (``q`` in 0..100); NaN when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summarize_latency(values: Sequence[float]) -> dict[str, float]:
     return {
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
+        "p50": percentile(values, 50, "linear"),
+        "p90": percentile(values, 90, "linear"),
+        "p99": percentile(values, 99, "linear"),
         "mean": sum(values) / len(values) if values else math.nan,
     }
 
@@ -162,7 +152,10 @@ def summarize(
         "efficiency": {k: _ratio(hit_rate, v) for k, v in rates.items()},
         "prefill_work_efficiency": _ratio(w_min, w_router),
         "ttft_s": summarize_latency(ttfts),
-        "ttft_over_lb": {"p50": percentile(over_lb, 50), "p99": percentile(over_lb, 99)},
+        "ttft_over_lb": {
+            "p50": percentile(over_lb, 50, "linear"),
+            "p99": percentile(over_lb, 99, "linear"),
+        },
         "load_imbalance": load_imbalance(intervals, workers, window_s),
         "index_fidelity": index_fidelity(records),
         "worker_share": {w: _ratio(n, len(records)) for w, n in sorted(share.items())},
@@ -176,6 +169,8 @@ def goodput_scale(
 ) -> float | None:
     """The largest time scale whose TTFTs meet ``slo_s`` at ``quantile``; None if none."""
     ok = [
-        scale for scale, ttfts in results.items() if ttfts and percentile(ttfts, quantile) <= slo_s
+        scale
+        for scale, ttfts in results.items()
+        if ttfts and percentile(ttfts, quantile, "linear") <= slo_s
     ]
     return max(ok, default=None)

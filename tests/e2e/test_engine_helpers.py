@@ -9,12 +9,13 @@ import pytest
 from loadtests.engine.bench import direct_route, markdown_table
 from loadtests.engine.client import ChatResult
 from loadtests.engine.probe import EngineCounters, cache_delta, parse_prometheus
-from loadtests.engine.runner import RunResult, quantile, reported_fraction
+from loadtests.engine.runner import RunResult, reported_fraction
 from loadtests.engine.workload import (
     SharedPrefixSpec,
     capacity_hint_args,
     shared_prefix_requests,
 )
+from loadtests.harness.stats import percentile
 
 METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed
 # TYPE llamacpp:prompt_tokens_total counter
@@ -82,9 +83,9 @@ def test_direct_routes() -> None:
 
 
 def test_quantile_fraction_and_table() -> None:
-    assert quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
-    assert quantile([7.0], 0.9) == 7.0
-    assert math.isnan(quantile([], 0.5))
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50, "linear") == 3.0
+    assert percentile([7.0], 90, "linear") == 7.0
+    assert math.isnan(percentile([], 50, "linear"))
     ok = ChatResult(True, 200, 0.1, 0.2, prompt_tokens=100, cached_tokens=60)
     failed = ChatResult(False, 500, None, 0.1, error="boom")
     assert reported_fraction([ok, ok, failed]) == pytest.approx(0.6)

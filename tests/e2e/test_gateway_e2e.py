@@ -32,10 +32,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from loadtests.engine.gateway_proc import GatewayProcess, run_gateway
 from loadtests.engine.llama_fleet import LlamaFleet
 from loadtests.engine.runner import RunResult, run_workload, summarize
 from loadtests.engine.workload import SharedPrefixSpec, shared_prefix_requests
+from loadtests.harness.gateway_proc import GatewayProcess, run_gateway
 
 pytestmark = pytest.mark.e2e
 

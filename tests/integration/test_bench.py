@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from loadtests.bench.live import parse_spec, write_benchmarks
-from loadtests.bench.report import WorkloadReport, quantile
+from loadtests.bench.report import WorkloadReport
+from loadtests.harness.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,8 +25,8 @@ def test_parse_spec_separates_bench_settings() -> None:
 
 
 def test_quantile_nearest_rank() -> None:
-    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert quantile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
+    assert percentile([3.0, 1.0, 2.0], 50, "nearest") == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99, "nearest") == 4.0
 
 
 def test_write_benchmarks_replaces_only_its_section(tmp_path: Path) -> None:

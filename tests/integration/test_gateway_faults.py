@@ -12,6 +12,7 @@ from aiohttp import ClientSession
 
 from gateway.workers.registry import HealthFlag
 from loadtests.harness.inprocess import run_gateway, sim_faults, sim_stats
+from loadtests.harness.ports import free_port
 
 pytest.importorskip("simulator.fleet")  # lands with the simulated worker
 from simulator.fleet import SimulatedFleet
@@ -166,12 +167,7 @@ async def test_worker_timeout_is_504(fleet: SimulatedFleet, client: ClientSessio
 
 
 async def test_unreachable_worker_is_502(client: ClientSession) -> None:
-    # a port nothing listens on (bound then closed)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it (bound then closed)
     async with (
         run_gateway([f"http://127.0.0.1:{port}"], ready_within_s=0) as gw,
         client.post(gw.url + "/v1/chat/completions", json=CHAT) as resp,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.engine.gateway_proc import run_gateway
-from loadtests.engine.sim_fleet import SimSettings, run_sim_fleet
+from loadtests.harness.gateway_proc import run_gateway
+from loadtests.harness.sim_fleet import SimSettings, run_sim_fleet
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtests" / "locust" / "locustfile.py"

@@ -8,7 +8,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.harness.ports import free_port_range
 from simulator.fleet import SimConfig, SimulatedFleet
 from simulator.http.metrics import E2E_BUCKETS, TTFT_BUCKETS
 
@@ -331,25 +331,9 @@ async def test_stop_and_restart_worker(sim: SimulatedFleet, http: aiohttp.Client
         assert resp.status == 200  # the other worker never noticed
 
 
-def free_base_port(n: int) -> int:
-    """A port P with P..P+n-1 free right now (best effort: the machine is shared)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base: int = s.getsockname()[1]
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
-
-
 async def test_fleet_on_fixed_ports(http: aiohttp.ClientSession) -> None:
     for attempt in range(5):
-        port = free_base_port(2)
+        port = free_port_range(2)
         try:
             fleet = await SimulatedFleet.start(2, SimConfig(), base_port=port)
         except OSError:
@@ -425,7 +409,7 @@ async def test_done_when_generate_twice_and_ttft(http: aiohttp.ClientSession) ->
 
 # ---------------------------------------------------------------------- CLI
 def test_cli_serves_and_stops_on_sigterm() -> None:
-    port = free_base_port(2)
+    port = free_port_range(2)
     with subprocess.Popen(
         [sys.executable, "-m", "simulator", "--workers", "2", "--base-port", str(port),
          "--capacity-tokens", "200000", "--enable-metrics", "--enable-cache-report"],

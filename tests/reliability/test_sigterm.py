@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from loadtests.harness.ports import free_port
 from simulator.fleet import SimConfig, SimulatedFleet
 
 # At speed 1 the simulated worker decodes ~150 tokens/s: a stream of 2-3 s.
@@ -25,12 +25,6 @@ STREAM = {
     "ignore_eos": True,
     "stream": True,
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -82,7 +76,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, started: asyncio.Eve
 
 
 async def test_sigterm_drains_streams_then_exits_zero(slow_fleet: SimulatedFleet) -> None:
-    port = _free_port()
+    port = free_port()
     proc = await _start_gateway(slow_fleet.urls, port)
     try:
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -110,7 +104,7 @@ async def test_sigterm_drains_streams_then_exits_zero(slow_fleet: SimulatedFleet
 
 async def test_sigterm_grace_period_bounds_the_exit(slow_fleet: SimulatedFleet) -> None:
     """A stream longer than the grace period is cut when it ends; the exit is still 0."""
-    port = _free_port()
+    port = free_port()
     proc = await _start_gateway(slow_fleet.urls, port, "--shutdown-grace-secs", "1")
     try:
         url = f"http://127.0.0.1:{port}/v1/chat/completions"

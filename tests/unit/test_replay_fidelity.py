@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from loadtests.harness.inprocess import run_gateway
-from loadtests.replay.metrics import percentile
+from loadtests.harness.stats import percentile
 from loadtests.replay.prompts import PromptBuilder
 from loadtests.replay.sim import Simulation
 from loadtests.replay.workers import make_workers
@@ -77,7 +77,7 @@ async def _live(requests: tuple[WorkloadRequest, ...]) -> tuple[float, float]:
         t0 = time.perf_counter() + 0.05
         results = await asyncio.gather(*(_one(session, gw.url, r, t0) for r in requests))
     hit = sum(c for _, c, _ in results) / sum(p for _, _, p in results)
-    return hit, percentile([t for t, _, _ in results], 50)
+    return hit, percentile([t for t, _, _ in results], 50, "linear")
 
 
 def _offline(requests: tuple[WorkloadRequest, ...]) -> tuple[float, float]:
@@ -88,7 +88,9 @@ def _offline(requests: tuple[WorkloadRequest, ...]) -> tuple[float, float]:
     hit = sum(r.cached_tokens for r in outcome.records) / sum(
         r.prompt_tokens for r in outcome.records
     )
-    return hit, percentile([r.ttft_s for r in outcome.records if r.ttft_s is not None], 50)
+    return hit, percentile(
+        [r.ttft_s for r in outcome.records if r.ttft_s is not None], 50, "linear"
+    )
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ from gateway.peers.codec import (
     unpack_load,
 )
 from gateway.peers.state import SharedSettings, SharedState
-from loadtests.harness.redis import delete_prefix, free_port, redis_answers
+from loadtests.harness.ports import free_port
+from loadtests.harness.redis import delete_prefix, redis_answers
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-STOP_GRACE_S = 5.0
+from loadtests.harness.ports import free_port
+from loadtests.harness.procs import NotReady, http_get, running, wait_until
+
 ROUTER_MODULES: Mapping[str, str] = MappingProxyType(
     {"gateway": "gateway", "sglang-router": "sglang_router.launch_router"}
 )
@@ -39,34 +36,15 @@ class GatewayProcess:
     log_path: Path
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now (the OS's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _ready(url: str, workers: int) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2.0) as response:
-            body = response.read()
-    except (urllib.error.URLError, OSError):
+    body = http_get(url + "/health", 2.0)
+    if body is None:
         return False
     try:
         healthy = json.loads(body).get("healthy_workers", workers)
     except (ValueError, AttributeError):
         return True
     return bool(healthy == workers)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @contextlib.contextmanager
@@ -88,16 +66,11 @@ def run_gateway(
             "--port", str(port), "--policy", policy, "--worker-urls", *worker_urls,
             *extra_args]  # fmt: skip
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while not _ready(url, len(worker_urls)):
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-                raise RuntimeError(f"{router} ({policy}) did not become ready:\n{tail}")
-            time.sleep(0.1)
+    with running(args, log=log_path, stdin=subprocess.DEVNULL) as process:
+        try:
+            wait_until(lambda: _ready(url, len(worker_urls)), startup_timeout_s, watch=[process])
+        except NotReady:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"{router} ({policy}) did not become ready:\n{tail}") from None
         yield GatewayProcess(url=url, pid=process.pid, log_path=log_path)
-    finally:
-        _stop(process)

@@ -17,15 +17,13 @@ is the earlier stand-in: SGLang workers whose ``capacity_tokens`` and
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-STOP_GRACE_S = 5.0
+from loadtests.harness.procs import NotReady, running, wait_until
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,22 +70,17 @@ def run_sim_fleet(
     """Start ``k`` simulated workers on ephemeral ports; yield their URLs; stop by PID."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stdout_path, stderr_path = log_dir / "sim.out", log_dir / "sim.log"
-    with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
-        process = subprocess.Popen(
-            settings.args(k), stdin=subprocess.DEVNULL, stdout=out, stderr=err
-        )
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while len(urls := _read_urls(stdout_path, k)) < k:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("simulator did not start:\n" + stderr_path.read_text()[-2000:])
-            time.sleep(0.1)
-        yield urls
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+    with (
+        stdout_path.open("wb") as out,
+        stderr_path.open("wb") as err,
+        running(settings.args(k), stdin=subprocess.DEVNULL, stdout=out, stderr=err) as process,
+    ):
         try:
-            process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            wait_until(
+                lambda: len(_read_urls(stdout_path, k)) >= k, startup_timeout_s, watch=[process]
+            )
+        except NotReady:
+            raise RuntimeError(
+                "simulator did not start:\n" + stderr_path.read_text()[-2000:]
+            ) from None
+        yield _read_urls(stdout_path, k)
