@@ -24,7 +24,7 @@ from aiohttp import web
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
 from gateway.config.allowlist import HostAllowList
 from gateway.config.workerspec import configured_kind, parse_worker_spec
-from gateway.exact.kv_events import KVEventsManager
+from gateway.exact.manager import KVEventsManager
 from gateway.exact.tokenizer import load_tokenizer
 from gateway.forward.credentials import worker_credentials, worker_key_exposed
 from gateway.forward.upstream import UpstreamPool

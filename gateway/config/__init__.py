@@ -226,7 +226,7 @@ class TelemetryConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
-    """Exact mode from SGLang KV events (gateway.exact.kv_events, docs/KV_EVENTS.md)."""
+    """Exact mode from SGLang KV events (gateway.exact.manager, docs/KV_EVENTS.md)."""
 
     # Follow the KV events of workers whose /server_info advertises them.
     enabled: bool = False

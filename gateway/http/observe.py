@@ -142,7 +142,7 @@ class IndexStatsSource(Protocol):
 
 
 class ModeSource(Protocol):
-    """Exact mode's figures per worker (``gateway.exact.kv_events.KVEventsManager``)."""
+    """Exact mode's figures per worker (``gateway.exact.manager.KVEventsManager``)."""
 
     @property
     def fidelity(self) -> Mapping[tuple[str, str], Any]: ...

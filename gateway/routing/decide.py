@@ -61,7 +61,7 @@ class PrefixMatcher(Protocol):
 
 
 class ExactRequest(Protocol):
-    """Exact mode's view of one request (``gateway.exact.kv_events.ExactRequest``)."""
+    """Exact mode's view of one request (``gateway.exact.request.ExactRequest``)."""
 
     def match(self, worker_ids: Sequence[str]) -> Mapping[str, int]: ...
     def dispatched(self, worker_id: str) -> None: ...

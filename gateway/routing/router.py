@@ -61,7 +61,7 @@ _TIMEOUTS = ("timeout", "first_byte_timeout")  # attempt failures that penalise 
 
 
 class ExactSource(Protocol):
-    """Exact mode (``gateway.exact.kv_events.KVEventsManager``): tokenizes a request once."""
+    """Exact mode (``gateway.exact.manager.KVEventsManager``): tokenizes a request once."""
 
     def prepare(self, kind: str, body: bytes) -> ExactRequest: ...
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.telemetry.snapshot import HEALTH_FLAGS, FleetSnapshot, SnapshotProvider
 
 _W = ["worker"]
-INDEX_MODES = ("exact", "approximate", "degraded")  # gateway.exact.kv_events.MODES
+INDEX_MODES = ("exact", "approximate", "degraded")  # gateway.exact.manager.MODES
 _WM = ["worker", "mode"]
 
 

@@ -50,7 +50,7 @@ class WorkerSnapshot:
     engine_token_usage: float | None = None  # 0..1
     engine_age_s: float | None = None
     index: IndexFigures | None = None
-    # exact / approximate / degraded (gateway.exact.kv_events); None: not reported
+    # exact / approximate / degraded (gateway.exact.manager); None: not reported
     index_mode: str | None = None
     # (mode, requests, predicted, true predicted, reported) cached tokens, cumulative
     mode_fidelity: Sequence[tuple[str, int, int, int, int]] = ()

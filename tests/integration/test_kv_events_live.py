@@ -15,13 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.exact.kv_events import (
-    MODE_DEGRADED,
-    MODE_EXACT,
-    KVEventsManager,
-    KVEventsSettings,
-    request_tokens,
-)
+from gateway.exact.manager import MODE_DEGRADED, MODE_EXACT, KVEventsManager, KVEventsSettings
+from gateway.exact.request import request_tokens
 from gateway.exact.tokenizer import load_tokenizer
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import ApiKind, RequestSettings, parse_request

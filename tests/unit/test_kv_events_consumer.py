@@ -7,27 +7,19 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import zmq.asyncio
 
-from gateway.exact.kv_events import (
+from gateway.exact.feed import RankFeed
+from gateway.exact.index import ExactIndex, PredictedBlocks, chain_hashes, namespace_seed
+from gateway.exact.manager import (
     MODE_APPROXIMATE,
     MODE_DEGRADED,
     MODE_EXACT,
-    Cleared,
-    Descriptor,
-    Event,
-    ExactIndex,
     KVEventsManager,
     KVEventsSettings,
-    PredictedBlocks,
-    RankFeed,
-    Removed,
-    Stored,
     _WorkerState,
-    chain_hashes,
-    decode_batch,
-    namespace_seed,
-    request_tokens,
 )
+from gateway.exact.request import request_tokens
 from gateway.exact.tokenizer import load_tokenizer
+from gateway.exact.wire import Cleared, Descriptor, Event, Removed, Stored, decode_batch
 from loadtests.harness.inprocess import SIM_TOKENIZER
 from simulator.config import KVEventsConfig
 from simulator.http.kv_publisher import BlockStored as SimStored

@@ -1,0 +1,186 @@
+"""Exact mode's index: the blocks each worker reported, and the blocks predicted to follow.
+
+* :class:`ExactIndex` holds, per worker and DP rank, the blocks the worker reported.
+  Blocks are keyed by the **gateway's own** chained hash of their token ids
+  (:func:`chain_hashes`, XXH3-64 seeded by the previous block, the root seeded by the
+  namespace: LoRA, ``cache_salt``, ``extra_key``; :func:`namespace_seed`); the engine's
+  hashes serve only as ids, to link a ``BlockStored`` to its parent and to apply
+  ``BlockRemoved``. A store whose parent is unknown (events lost before we subscribed) is
+  dropped: the index may then under-predict, never over-predict. Blocks whose
+  ``block_size`` differs from the worker's advertised one are dropped too (as Dynamo
+  does). Ranks of one worker are unioned: a match asks whether *any* rank holds a block.
+* :class:`PredictedBlocks` (the hybrid): blocks of a request dispatched to an exact-mode
+  worker are kept as *predicted* entries for a TTL, so siblings of a prompt still in
+  prefill co-locate. The TTL is ``ttl_factor`` times the running mean of the observed
+  delay between dispatch and the ``BlockStored`` that confirms the prediction, clamped to
+  ``[ttl_min_s, ttl_max_s]``.
+
+Cost: a store hashes its blocks once (one XXH3 per block); a match is one set lookup per
+leading block per worker. No I/O; time is passed in. Not thread-safe: one event loop.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from xxhash import xxh3_64_intdigest
+
+from gateway.exact.wire import Cleared, Event, Removed, Stored
+
+Namespace = tuple[str | None, str | None, str | None]  # (LoRA, cache_salt, extra_key)
+
+
+def namespace_seed(lora: str | None, cache_salt: str | None, extra_key: str | None) -> int:
+    """The chain seed of a cache namespace (the empty namespace included)."""
+    key = f"{lora or ''}\x00{cache_salt or ''}\x00{extra_key or ''}".encode()
+    return xxh3_64_intdigest(key)
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, seed: int) -> list[int]:
+    """The gateway's hash of each full block, chained: block i's hash seeds block i+1's."""
+    out: list[int] = []
+    h = seed
+    n = len(token_ids) - len(token_ids) % block_size
+    pack = struct.Struct(f"<{block_size}I").pack
+    for start in range(0, n, block_size):
+        h = xxh3_64_intdigest(pack(*token_ids[start : start + block_size]), seed=h)
+        out.append(h)
+    return out
+
+
+@dataclass(slots=True)
+class _RankBlocks:
+    by_engine: dict[int, int] = field(default_factory=dict)  # engine hash → our hash
+
+
+class ExactIndex:
+    """Blocks each worker reported, keyed by our own chained hashes (module docstring)."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[tuple[str, int], _RankBlocks] = {}
+        self._held: dict[str, dict[int, int]] = {}  # worker → our hash → ranks holding it
+        self.dropped_orphans = 0
+        self.dropped_block_size = 0
+
+    def apply(self, worker_id: str, rank: int, event: Event, block_size: int) -> list[int]:
+        """Apply one event; return our hashes of the blocks it stored (for the hybrid)."""
+        state = self._ranks.setdefault((worker_id, rank), _RankBlocks())
+        held = self._held.setdefault(worker_id, {})
+        if isinstance(event, Cleared):
+            self.clear(worker_id, rank)
+            return []
+        if isinstance(event, Removed):
+            for eh in event.block_hashes:
+                ours = state.by_engine.pop(eh, None)
+                if ours is not None:
+                    self._release(held, ours)
+            return []
+        return self._store(state, held, event, block_size)
+
+    def _store(
+        self, state: _RankBlocks, held: dict[int, int], event: Stored, block_size: int
+    ) -> list[int]:
+        if event.block_size != block_size or block_size <= 0:
+            self.dropped_block_size += 1
+            return []
+        if event.parent is None:
+            seed = namespace_seed(event.lora_name, event.cache_salt, None)
+        else:
+            parent = state.by_engine.get(event.parent)
+            if parent is None:
+                self.dropped_orphans += 1
+                return []
+            seed = parent
+        ours = chain_hashes(event.token_ids, block_size, seed)
+        for eh, h in zip(event.block_hashes, ours, strict=False):
+            if eh not in state.by_engine:
+                state.by_engine[eh] = h
+                held[h] = held.get(h, 0) + 1
+        return ours
+
+    @staticmethod
+    def _release(held: dict[int, int], h: int) -> None:
+        count = held.get(h, 0) - 1
+        if count > 0:
+            held[h] = count
+        else:
+            held.pop(h, None)
+
+    def clear(self, worker_id: str, rank: int | None = None) -> None:
+        """Drop a rank's blocks, or all of a worker's (``rank=None``)."""
+        held = self._held.get(worker_id, {})
+        for key in [k for k in self._ranks if k[0] == worker_id and rank in (None, k[1])]:
+            for h in self._ranks.pop(key).by_engine.values():
+                self._release(held, h)
+
+    def holds(self, worker_id: str, h: int) -> bool:
+        return h in self._held.get(worker_id, ())
+
+    def blocks(self, worker_id: str) -> int:
+        return len(self._held.get(worker_id, ()))
+
+    def match(self, hashes: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
+        """Leading blocks of ``hashes`` each worker holds (0 omitted)."""
+        out: dict[str, int] = {}
+        for wid in worker_ids:
+            held = self._held.get(wid)
+            if not held:
+                continue
+            n = 0
+            for h in hashes:
+                if h not in held:
+                    break
+                n += 1
+            if n:
+                out[wid] = n
+        return out
+
+
+class PredictedBlocks:
+    """Blocks dispatched but not yet confirmed by an event, with a TTL per recording.
+
+    The TTL follows the observed dispatch → ``BlockStored`` delay (module docstring).
+    """
+
+    def __init__(self, ttl_factor: float, ttl_min_s: float, ttl_max_s: float) -> None:
+        self._by_worker: dict[str, dict[int, tuple[float, float]]] = {}  # h → (sent, expiry)
+        self._factor, self._min, self._max = ttl_factor, ttl_min_s, ttl_max_s
+        self.mean_delay_s: float | None = None
+
+    @property
+    def ttl_s(self) -> float:
+        delay = self.mean_delay_s if self.mean_delay_s is not None else self._max / self._factor
+        return min(self._max, max(self._min, self._factor * delay))
+
+    def record(self, worker_id: str, hashes: Sequence[int], now: float) -> None:
+        blocks = self._by_worker.setdefault(worker_id, {})
+        expiry = now + self.ttl_s
+        for h in hashes:
+            blocks[h] = (now, expiry)
+        if len(blocks) > 4 * len(hashes) + 1024:
+            self.expire(worker_id, now)
+
+    def confirm(self, worker_id: str, hashes: Iterable[int], now: float) -> None:
+        blocks = self._by_worker.get(worker_id)
+        if not blocks:
+            return
+        for h in hashes:
+            entry = blocks.pop(h, None)
+            if entry is not None:
+                delay = now - entry[0]
+                mean = self.mean_delay_s
+                self.mean_delay_s = delay if mean is None else 0.9 * mean + 0.1 * delay
+
+    def expire(self, worker_id: str, now: float) -> None:
+        blocks = self._by_worker.get(worker_id, {})
+        for h in [h for h, (_, exp) in blocks.items() if exp <= now]:
+            del blocks[h]
+
+    def holds(self, worker_id: str, h: int, now: float) -> bool:
+        entry = self._by_worker.get(worker_id, {}).get(h)
+        return entry is not None and entry[1] > now
+
+    def forget(self, worker_id: str) -> None:
+        self._by_worker.pop(worker_id, None)

@@ -1,0 +1,317 @@
+"""Exact mode: follow the workers' KV-cache events (SGLANG_API.md §4), know when to stop.
+
+:class:`KVEventsManager` discovers each worker's ``kv_events`` descriptor from
+``/server_info`` (:mod:`gateway.exact.wire`), runs one feed per DP rank
+(:mod:`gateway.exact.feed`), applies the events to the exact index and confirms predicted
+blocks (:mod:`gateway.exact.index`), tracks each worker's **mode** and answers
+:meth:`KVEventsManager.match` for the workers in exact mode. Requests reach it through
+:class:`gateway.exact.request.ExactRequest` (:meth:`KVEventsManager.prepare`).
+
+Modes, per worker: ``approximate`` (no events configured or discoverable), ``exact``
+(events flowing), ``degraded`` (events configured but a request dispatched there saw no
+event within ``stale_timeout_s``, or a gap could not be filled). An idle worker publishes
+nothing, so silence alone is not staleness: only silence *after a dispatch* is. The
+router uses the approximate prefix index for any worker not in exact mode, so a stopped
+publisher degrades to the approximate behaviour, visibly, and the return is automatic.
+
+Hybrid (``hybrid``): a request dispatched to an exact-mode worker records its blocks as
+predicted entries, so siblings of a prompt still in prefill co-locate; the event that
+stores them confirms them (TTL and its trade-off: :mod:`gateway.exact.index`).
+
+Fidelity: per (worker, mode), predicted vs reported cached tokens of finished requests.
+
+Cost: a match hashes the request once per distinct block size, then one set lookup per
+leading block per exact-mode worker; discovery is one ``/server_info`` GET per worker per
+``discovery_interval_s``. Not thread-safe: one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+import zmq.asyncio
+
+from gateway.config import KVEventsConfig
+from gateway.exact.feed import RankFeed
+from gateway.exact.index import ExactIndex, Namespace, PredictedBlocks, chain_hashes, namespace_seed
+from gateway.exact.request import ExactRequest
+from gateway.exact.tokenizer import Tokenizer
+from gateway.exact.wire import Descriptor, Event
+
+log = logging.getLogger(__name__)
+
+MODE_EXACT = "exact"
+MODE_APPROXIMATE = "approximate"
+MODE_DEGRADED = "degraded"
+MODES = (MODE_EXACT, MODE_APPROXIMATE, MODE_DEGRADED)
+
+# The ``kv_events:`` config section, as the manager takes it (defaults and their reasons
+# in gateway/config/__init__.py).
+KVEventsSettings = KVEventsConfig
+
+
+@dataclass(slots=True)
+class _WorkerState:
+    desc: Descriptor | None = None
+    startup: Any = None
+    feeds: list[RankFeed] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    awaiting_since: float | None = None  # first dispatch not yet followed by an event
+    degraded_until: float = 0.0  # after an unfillable gap
+    last_event_at: float | None = None
+    last_delay_s: float | None = None
+
+
+@dataclass(slots=True)
+class Fidelity:
+    """Predicted vs reported cached tokens, cumulative, for one (worker, mode)."""
+
+    requests: int = 0
+    predicted_tokens: int = 0
+    true_predicted_tokens: int = 0  # Σ min(predicted, reported): precision numerator
+    reported_tokens: int = 0
+
+
+class KVEventsManager:
+    """Discovery, feeds, modes and exact matching for a set of workers (module docstring).
+
+    ``workers()`` lists ``(worker id, url)`` pairs to follow; the manager re-reads it and
+    ``/server_info`` every ``discovery_interval_s``.
+    """
+
+    def __init__(
+        self,
+        settings: KVEventsSettings,
+        tokenizer: Tokenizer,
+        workers: Callable[[], Iterable[tuple[str, str]]],
+        session: aiohttp.ClientSession,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.index = ExactIndex()
+        self.predicted = PredictedBlocks(
+            settings.ttl_factor, settings.ttl_min_s, settings.ttl_max_s
+        )
+        self._workers = workers
+        self._session = session
+        self._clock = clock
+        self._ctx = zmq.asyncio.Context()
+        self._states: dict[str, _WorkerState] = {}
+        self._discovery: asyncio.Task[None] | None = None
+        self.fidelity: dict[tuple[str, str], Fidelity] = {}
+
+    # lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        await self.discover()
+        self._discovery = asyncio.get_running_loop().create_task(self._discover_forever())
+
+    async def close(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._discovery
+        for wid in list(self._states):
+            await self._unsubscribe(wid)
+        self._ctx.destroy(linger=0)
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.discovery_interval_s)
+            try:
+                await self.discover()
+            except Exception:  # discovery must never stop; the next round retries
+                log.exception("kv events: discovery failed")
+
+    async def discover(self) -> None:
+        """Subscribe to new workers, drop removed ones, resubscribe restarted ones."""
+        current = dict(self._workers())
+        for wid in [w for w in self._states if w not in current]:
+            await self._unsubscribe(wid)
+            self.index.clear(wid)
+            self.predicted.forget(wid)
+            del self._states[wid]
+        infos = await asyncio.gather(*(self._server_info(url) for url in current.values()))
+        for (wid, url), info in zip(current.items(), infos, strict=True):
+            state = self._states.setdefault(wid, _WorkerState())
+            if info is None:
+                continue
+            desc = Descriptor.parse(info.get("kv_events") or {}, url)
+            startup = info.get("startup_time")
+            if desc == state.desc and startup == state.startup:
+                continue
+            await self._unsubscribe(wid)
+            self.index.clear(wid)
+            state.desc, state.startup, state.awaiting_since = desc, startup, None
+            if desc is not None:
+                self._subscribe(wid, state, desc)
+
+    async def _server_info(self, url: str) -> dict[str, Any] | None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=2.0)
+            async with self._session.get(f"{url}/server_info", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                body = orjson.loads(await resp.read())
+                return body if isinstance(body, dict) else None
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return None
+
+    def _subscribe(self, wid: str, state: _WorkerState, desc: Descriptor) -> None:
+        loop = asyncio.get_running_loop()
+        for rank in range(desc.dp_size):
+            feed = RankFeed(
+                self._ctx,
+                desc,
+                rank,
+                functools.partial(self._apply, wid),
+                functools.partial(self.index.clear, wid),
+                functools.partial(self._gap_lost, wid),
+                self.settings.replay_timeout_s,
+            )
+            state.feeds.append(feed)
+            state.tasks.append(loop.create_task(feed.run()))
+
+    async def _unsubscribe(self, wid: str) -> None:
+        state = self._states.get(wid)
+        if state is None:
+            return
+        for task in state.tasks:
+            task.cancel()
+        for task in state.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for feed in state.feeds:
+            feed.close()  # a task cancelled before it ran never reached its finally
+        state.tasks.clear()
+        state.feeds.clear()
+
+    # events ------------------------------------------------------------------
+    def _apply(self, wid: str, rank: int, ts: float, events: list[Event]) -> None:
+        state = self._states.get(wid)
+        if state is None or state.desc is None:
+            return
+        now = self._clock()
+        state.last_event_at = now
+        state.awaiting_since = None
+        state.last_delay_s = max(0.0, time.time() - ts)
+        for event in events:
+            stored = self.index.apply(wid, rank, event, state.desc.block_size)
+            if stored:
+                self.predicted.confirm(wid, stored, now)
+
+    def _gap_lost(self, wid: str, rank: int) -> None:
+        self.index.clear(wid, rank)
+        state = self._states.get(wid)
+        if state is not None:
+            state.degraded_until = self._clock() + self.settings.stale_timeout_s
+        log.warning("kv events: worker %s rank %d lost batches replay could not fill", wid, rank)
+
+    # modes and matching ------------------------------------------------------
+    def mode(self, worker_id: str) -> str:
+        state = self._states.get(worker_id)
+        if state is None or state.desc is None:
+            return MODE_APPROXIMATE
+        now = self._clock()
+        if now < state.degraded_until:
+            return MODE_DEGRADED
+        since = state.awaiting_since
+        if since is not None and now - since > self.settings.stale_timeout_s:
+            return MODE_DEGRADED
+        return MODE_EXACT
+
+    def modes(self) -> dict[str, str]:
+        return {wid: self.mode(wid) for wid in self._states}
+
+    def block_size(self, worker_id: str) -> int | None:
+        state = self._states.get(worker_id)
+        return state.desc.block_size if state is not None and state.desc is not None else None
+
+    def request_hashes(
+        self, ids: Sequence[int], namespace: Namespace, block_size: int
+    ) -> list[int]:
+        return chain_hashes(ids, block_size, namespace_seed(*namespace))
+
+    def match(
+        self, ids: Sequence[int] | None, namespace: Namespace, worker_ids: Iterable[str]
+    ) -> dict[str, int]:
+        """Matched **tokens** for every given worker in exact mode (0 included)."""
+        out: dict[str, int] = {}
+        now = self._clock()
+        hashes_by_size: dict[int, list[int]] = {}
+        for wid in worker_ids:
+            size = self.block_size(wid)
+            if size is None or self.mode(wid) != MODE_EXACT:
+                continue
+            if ids is None or namespace[2]:  # extra_key is not in events: never claim a hit
+                out[wid] = 0
+                continue
+            hashes = hashes_by_size.get(size)
+            if hashes is None:
+                hashes = hashes_by_size[size] = self.request_hashes(ids, namespace, size)
+            n = 0
+            for h in hashes:
+                if not (
+                    self.index.holds(wid, h)
+                    or (self.settings.hybrid and self.predicted.holds(wid, h, now))
+                ):
+                    break
+                n += 1
+            out[wid] = n * size
+        return out
+
+    def dispatched(self, worker_id: str, ids: Sequence[int] | None, namespace: Namespace) -> None:
+        """A request went to ``worker_id``: expect an event; predict its blocks (hybrid)."""
+        state = self._states.get(worker_id)
+        if state is None or state.desc is None:
+            return
+        now = self._clock()
+        if state.awaiting_since is None:
+            state.awaiting_since = now
+        if self.settings.hybrid and ids is not None and not namespace[2]:
+            hashes = self.request_hashes(ids, namespace, state.desc.block_size)
+            self.predicted.record(worker_id, hashes, now)
+
+    def prepare(self, kind: str, body: bytes) -> ExactRequest:
+        """A request for matching and dispatch (``kind``: an ApiKind value), tokenized at
+        most once and only if some worker needs its tokens."""
+        return ExactRequest(self, kind, body)
+
+    def wants_tokens(self, worker_ids: Iterable[str]) -> bool:
+        """Whether any of these workers is followed (exact mode or predicting)."""
+        return any(self.block_size(w) is not None for w in worker_ids)
+
+    def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None:
+        """Fidelity: predicted vs reported cached tokens of one finished request."""
+        f = self.fidelity.setdefault((worker_id, mode), Fidelity())
+        f.requests += 1
+        f.predicted_tokens += predicted
+        f.true_predicted_tokens += min(predicted, reported)
+        f.reported_tokens += reported
+
+    def describe(self) -> dict[str, Any]:
+        """For the debug API: mode, blocks, feeds and delays per worker."""
+        out: dict[str, Any] = {}
+        for wid, state in self._states.items():
+            out[wid] = {
+                "mode": self.mode(wid),
+                "blocks": self.index.blocks(wid),
+                "batches": sum(f.batches for f in state.feeds),
+                "replays": sum(f.replays for f in state.feeds),
+                "restarts": sum(f.restarts for f in state.feeds),
+                "last_event_delay_s": state.last_delay_s,
+            }
+        return {
+            "workers": out,
+            "predicted_ttl_s": self.predicted.ttl_s,
+            "dropped_orphans": self.index.dropped_orphans,
+        }

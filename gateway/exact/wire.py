@@ -1,0 +1,119 @@
+"""Exact mode's wire format: KV-event batches and ``kv_events`` descriptors (SGLANG_API.md §4).
+
+* :func:`decode_batch` reads an ``EventBatch`` in either encoding (0.5.23 tagged maps,
+  ≤0.5.18 tagged arrays), ignoring unknown keys, unknown events and trailing elements;
+* :class:`Descriptor` is a worker's ``kv_events`` entry of ``/server_info``: where its
+  publisher and replay endpoints listen, its topic, block size and DP size;
+* :data:`SEQ` and :data:`END_SEQ` frame sequence numbers (big-endian u64) on the live
+  stream and in replay answers.
+
+Pure decoding: no I/O, no state.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgpack
+
+END_SEQ = 2**64 - 1  # the sequence number that ends a replay answer
+SEQ = struct.Struct(">Q")  # a sequence-number frame
+
+
+@dataclass(slots=True)
+class Stored:
+    block_hashes: list[int]
+    parent: int | None
+    token_ids: list[int]
+    block_size: int
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass(slots=True)
+class Removed:
+    block_hashes: list[int]
+
+
+@dataclass(slots=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+def _event_from_map(raw: Mapping[str, Any]) -> Event | None:
+    kind = raw.get("type")
+    if kind in ("BlockStored", "BlockStoredWithMetadata"):
+        return Stored(
+            list(raw.get("block_hashes") or []),
+            raw.get("parent_block_hash"),
+            list(raw.get("token_ids") or []),
+            int(raw.get("block_size") or 0),
+            raw.get("cache_salt"),
+            raw.get("lora_name"),
+        )
+    if kind == "BlockRemoved":
+        return Removed(list(raw.get("block_hashes") or []))
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    return None
+
+
+def _event_from_array(raw: Sequence[Any]) -> Event | None:
+    kind = raw[0] if raw else None
+    if kind in ("BlockStored", "BlockStoredWithMetadata") and len(raw) >= 5:
+        meta = next((x for x in raw[7:] if isinstance(x, dict)), {})
+        return Stored(list(raw[1]), raw[2], list(raw[3]), int(raw[4]), meta.get("cache_salt"), None)
+    if kind == "BlockRemoved" and len(raw) >= 2:
+        return Removed(list(raw[1]))
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[Event], int]:
+    """``[ts, events, dp_rank]`` in either encoding; unknown events are skipped."""
+    body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    ts, raw_events = float(body[0]), body[1]
+    rank = body[2] if len(body) > 2 and isinstance(body[2], int) else 0
+    events: list[Event] = []
+    for raw in raw_events:
+        event = _event_from_map(raw) if isinstance(raw, dict) else _event_from_array(raw)
+        if event is not None:
+            events.append(event)
+    return ts, events, rank
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """A worker's ``kv_events`` descriptor, with the wildcard host substituted."""
+
+    host: str
+    port_base: int
+    topic: str
+    block_size: int
+    dp_size: int
+    replay_port_base: int | None
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any], worker_url: str) -> Descriptor | None:
+        if not raw or raw.get("publisher") != "zmq" or raw.get("endpoint_port_base") is None:
+            return None
+        host = str(raw.get("endpoint_host") or "*")
+        if host in ("*", "0.0.0.0", "::", ""):
+            host = urlsplit(worker_url).hostname or "127.0.0.1"
+        replay = raw.get("replay_endpoint_port_base")
+        return cls(
+            host,
+            int(raw["endpoint_port_base"]),
+            str(raw.get("topic") or ""),
+            int(raw.get("block_size") or 1),
+            int(raw.get("dp_size") or 1),
+            int(replay) if replay is not None else None,
+        )
