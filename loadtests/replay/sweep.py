@@ -1,6 +1,6 @@
 """``python -m loadtests.replay sweep``: a grid over policy arguments and time scales.
 
-Every point is one :func:`loadtests.replay.cli.run_replay` in a worker process
+Every point is one :func:`loadtests.replay.run.run_replay` in a worker process
 (``ProcessPoolExecutor``, at most ``--jobs`` at once, default 2). Results: ``sweep.json``
 (one summary per point), ``sweep.md`` (a table), ``pareto.png`` (hit rate against p99 TTFT,
 Pareto-optimal points joined) and the goodput at the SLO per setting: the largest time
@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtests.replay.cli import ReplayConfig, _common_args, config_from_args, run_replay
+from loadtests.replay.run import ReplayConfig, add_common_args, config_from_args, run_replay
 
 
 def parse_grid(items: Sequence[str]) -> list[dict[str, Any]]:
@@ -70,7 +70,7 @@ def _point(config: ReplayConfig) -> dict[str, Any]:
 
 def sweep_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.replay sweep")
-    _common_args(parser)
+    add_common_args(parser)
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2")
     parser.add_argument("--time-scales", default="1", help="comma-separated, e.g. 1,2,3")
     parser.add_argument("--slo-s", type=float, default=2.0, help="TTFT target (s)")

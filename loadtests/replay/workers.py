@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from policies.base import EngineLoad
+from simulator.config import SimConfig
 from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
+from simulator.model.radix_cache import TOKEN_BYTES
+from simulator.model.radix_worker import WorkerModel
+from simulator.model.requests import SimRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,69 @@ class SimWorker(Protocol):
         """What the worker's ``/v1/loads`` would report now."""
 
 
+class ModelWorker:
+    """One simulated worker on the replay's virtual clock: the simulator's
+    ``WorkerModel``, unchanged, behind :class:`SimWorker`.
+
+    Requests are submitted with ``ignore_eos`` (the workload's output length, as the live
+    client asks) and ``stream=False``: the model then reports only the first token and the
+    finish, which is all the replay reads, and saves one output object per decode step;
+    scheduling and timing do not depend on it.
+    """
+
+    def __init__(self, config: SimConfig) -> None:
+        # exactly as simulator.http.sglang.SimulatedWorker builds its engine from a SimConfig
+        profile = config.resolved_profile()
+        context = config.context_length or profile.context_length
+        self.model = WorkerModel(
+            profile=profile.with_overrides(context_length=context),
+            capacity_tokens=config.capacity_tokens,
+            page_size=config.page_size,
+            max_running_requests=config.max_running_requests,
+            schedule_policy=config.schedule_policy,
+            seed=config.seed,
+        )
+
+    def submit(self, rid: str, prompt_key: bytes, max_tokens: int, now: float) -> None:
+        req = SimRequest(rid, prompt_key, max_new_tokens=max_tokens,
+                         ignore_eos=True, stream=False)  # fmt: skip
+        self.model.submit(req, now)
+
+    def step(self, now: float) -> tuple[float, list[SimOutput]] | None:
+        result = self.model.step(now)
+        if result is None:
+            return None
+        outputs = [
+            SimOutput(o.rid, o.first_token, o.finish is not None, o.cached_tokens)
+            for o in result.outputs
+            if o.first_token or o.finish is not None
+        ]
+        return result.duration, outputs
+
+    def true_match(self, prompt_key: bytes) -> int:
+        # what the worker would report as cached_tokens now: at most prompt - 1 tokens
+        return self.model.cache.peek_prefix(prompt_key[:-TOKEN_BYTES])
+
+    def queue_length(self) -> int:
+        return self.model.num_in_system
+
+    def occupancy(self) -> float:
+        # KV held by live requests (SGLang's token_usage); the pool itself, cached
+        # prefixes included, is full soon after the start and says little
+        cache = self.model.cache
+        return cache.used / cache.capacity
+
+    def engine_load(self) -> EngineLoad:
+        """What ``/v1/loads`` would report now (the model's lagged snapshot)."""
+        snap = self.model.load_snapshot
+        return EngineLoad(
+            running_requests=snap.num_running_reqs,
+            waiting_requests=snap.num_waiting_reqs,
+            waiting_uncached_tokens=snap.num_waiting_uncached_tokens,
+            token_usage=snap.token_usage,
+        )
+
+
 def resolve_profile(name: str | None) -> Profile:
     return get_profile(name or DEFAULT_PROFILE)
 
@@ -60,8 +127,5 @@ def prefill_time_fn(profile: str | None) -> Callable[[int, int], float]:
 def make_workers(count: int, capacity_tokens: int, profile: str | None) -> list[SimWorker]:
     """``count`` simulated workers of ``capacity_tokens`` KV each, configured as the HTTP
     simulator configures its workers (``simulator.config.SimConfig`` defaults)."""
-    from loadtests.replay.model import ModelWorker
-    from simulator.config import SimConfig
-
     config = SimConfig(capacity_tokens=capacity_tokens, profile=resolve_profile(profile).name)
     return [ModelWorker(config) for _ in range(count)]

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from gateway.routing.request import RequestSettings
-from loadtests.replay.cli import ReplayConfig, main, run_replay
+from loadtests.replay.cli import main
 from loadtests.replay.hashes import parse_body
 from loadtests.replay.prompts import PromptBuilder
+from loadtests.replay.run import ReplayConfig, run_replay
 from loadtests.replay.sim import Simulation
 from loadtests.replay.workers import make_workers
 from loadtests.workloads import create_workload

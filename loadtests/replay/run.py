@@ -1,0 +1,142 @@
+"""One offline replay run: its configuration, the arguments that build it, and the run.
+
+:class:`ReplayConfig` is everything a run depends on (picklable, so a sweep sends it to
+worker processes); :func:`replay` loads the workload, builds the policy and the simulated
+workers, runs :class:`~loadtests.replay.sim.Simulation` and summarises it with the
+bounds beside. :func:`add_common_args` / :func:`config_from_args` are the command-line
+arguments a replay (``cli``) and a sweep (``sweep``) share. Nothing here prints or writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadtests.replay.bounds import compute_bounds
+from loadtests.replay.metrics import summarize
+from loadtests.replay.prompts import PromptBuilder, trace_block_requests
+from loadtests.replay.sglang_rule import REFERENCE_NAME, SglangCacheAware
+from loadtests.replay.sim import SimOutcome, Simulation
+from loadtests.replay.workers import make_workers, prefill_time_fn
+from loadtests.workloads import Workload, create_workload
+from loadtests.workloads.traces import azure_trace, mooncake_trace
+from policies.base import Policy
+from policies.registry import create_policy
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """Everything one replay run depends on (picklable, for sweeps)."""
+
+    workers: int
+    capacity_tokens: int
+    policy: str
+    policy_args: dict[str, Any] = field(default_factory=dict)
+    trace: str | None = None
+    workload: str | None = None
+    workload_args: tuple[str, ...] = ()
+    limit: int = 0
+    time_scale: float = 1.0
+    profile: str | None = None
+    seed: int = 0
+
+
+def parse_policy_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs, values read as YAML scalars (as the gateway's CLI does)."""
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--policy-arg: expected KEY=VALUE, got {pair!r}")
+        try:
+            params[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            params[key.strip()] = raw
+    return params
+
+
+def load_workload(config: ReplayConfig) -> Workload:
+    if config.trace is not None:
+        reader = azure_trace if config.trace.endswith(".csv") else mooncake_trace
+        workload = reader(path=config.trace, limit=config.limit, seed=config.seed)
+    elif config.workload is not None:
+        workload = create_workload(config.workload, config.workload_args)
+    else:
+        raise ValueError("give --trace PATH or --workload NAME")
+    return workload.limited(config.limit).scaled(config.time_scale)
+
+
+def make_policy(name: str, params: dict[str, Any]) -> Policy:
+    if name == REFERENCE_NAME:
+        try:
+            return SglangCacheAware(**params)
+        except TypeError as exc:
+            raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None
+    return create_policy(name, **params)
+
+
+def run_replay(config: ReplayConfig) -> dict[str, Any]:
+    """Replay and summarise; the summary also holds ``config`` and ``wall_s``."""
+    summary, _ = replay(config)
+    return summary
+
+
+def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
+    """Replay and summarise; also the simulation's outcome (records, timelines)."""
+    started = time.perf_counter()
+    workload = load_workload(config)
+    policy = make_policy(config.policy, dict(config.policy_args))
+    builder = PromptBuilder()
+    workers = make_workers(config.workers, config.capacity_tokens, config.profile)
+    sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare, seed=config.seed)
+    outcome = sim.run(workload.requests)
+    capacity = config.workers * config.capacity_tokens
+    blocks = [builder.bound_blocks(r) for r in workload.requests]
+    bounds = compute_bounds(blocks, capacity)
+    summary = summarize(outcome.records, outcome.intervals, outcome.worker_ids, bounds,
+                        prefill_time_fn(config.profile))  # fmt: skip
+    trace_blocks = trace_block_requests(list(workload.requests))
+    if trace_blocks:  # Mooncake's own blocks, as PERFORMANCE.md section 2 counts them
+        summary["bounds_block_level"] = compute_bounds(trace_blocks, capacity).block_rates()
+    summary["config"] = {**asdict(config), "policy_describe": policy.describe()}
+    summary["wall_s"] = time.perf_counter() - started
+    return summary, outcome
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a replay and of a sweep: source, fleet, policy, output folder."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake .jsonl or Azure .csv trace")
+    src.add_argument("--workload", help="a workload name (loadtests.workloads)")
+    parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--capacity-tokens", type=int, default=430_000)
+    parser.add_argument("--policy", default="min_ttft")
+    parser.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--limit", type=int, default=0, help="replay the first K requests")
+    parser.add_argument("--profile", default=None, help="simulator latency profile")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="output folder")
+
+
+def config_from_args(ns: argparse.Namespace, time_scale: float) -> ReplayConfig:
+    """The :class:`ReplayConfig` of parsed :func:`add_common_args` at ``time_scale``."""
+    return ReplayConfig(
+        workers=ns.workers,
+        capacity_tokens=ns.capacity_tokens,
+        policy=ns.policy,
+        policy_args=parse_policy_args(ns.policy_arg),
+        trace=ns.trace,
+        workload=ns.workload,
+        workload_args=tuple(ns.workload_arg),
+        limit=ns.limit,
+        time_scale=time_scale,
+        profile=ns.profile,
+        seed=ns.seed,
+    )
