@@ -24,7 +24,7 @@ pure function of them; nothing is simulated.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,15 +162,3 @@ def summarize(
         "makespan_s": max(finished, default=0.0),
         "utilisation": _ratio(busy, span * len(workers)),
     }
-
-
-def goodput_scale(
-    results: Mapping[float, Sequence[float]], slo_s: float, quantile: float = 90.0
-) -> float | None:
-    """The largest time scale whose TTFTs meet ``slo_s`` at ``quantile``; None if none."""
-    ok = [
-        scale
-        for scale, ttfts in results.items()
-        if ttfts and percentile(ttfts, quantile, "linear") <= slo_s
-    ]
-    return max(ok, default=None)
