@@ -1,4 +1,4 @@
-"""HTTP handlers for the inference API, the gateway's health, and the serving loop.
+"""HTTP handlers for the inference API, the gateway's health, and the listener.
 
 Contract:
 - ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``, ``/v1/embeddings``:
@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -56,16 +57,22 @@ API_PATHS: dict[str, ApiKind] = {
     "/v1/embeddings": ApiKind.EMBEDDINGS,
 }
 OPEN_PATHS = frozenset({"/health", "/readiness", "/liveness", "/metrics"})
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def request_id_of(request: web.Request, header_names: tuple[str, ...]) -> str:
+    """The client's request id (the first of ``header_names`` present) if it is 1 to 128
+    visible ASCII characters, else a fresh one: it is echoed in a header and logged, so
+    nothing else is taken. The worker's rid is the gateway's own, never this one."""
     headers = request.headers
     for name in header_names:
         value = headers.get(name)
         if value:
-            return value
+            if _REQUEST_ID.fullmatch(value):
+                return value
+            break
     return os.urandom(16).hex()  # as unique as uuid4().hex, a few times cheaper
 
 
@@ -252,7 +259,7 @@ async def _model_cards(
     session: aiohttp.ClientSession, url: str, limits: aiohttp.ClientTimeout
 ) -> list[dict[str, Any]]:
     with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError):
-        async with session.get(url + "/v1/models", timeout=limits) as resp:
+        async with session.get(url + "/v1/models", timeout=limits, allow_redirects=False) as resp:
             if resp.status == 200:
                 data = orjson.loads(await resp.read()).get("data")
                 if isinstance(data, list):
