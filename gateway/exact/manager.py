@@ -158,7 +158,9 @@ class KVEventsManager:
     async def _server_info(self, url: str) -> dict[str, Any] | None:
         try:
             timeout = aiohttp.ClientTimeout(total=2.0)
-            async with self._session.get(f"{url}/server_info", timeout=timeout) as resp:
+            async with self._session.get(
+                f"{url}/server_info", timeout=timeout, allow_redirects=False
+            ) as resp:
                 if resp.status != 200:
                     return None
                 body = orjson.loads(await resp.read())

@@ -1,23 +1,37 @@
 """Forwarding one attempt to one worker, and relaying its answer to the client.
 
 Contract:
-- :func:`send` posts the body to the worker (``gateway.forward.upstream``) and returns its
+- :func:`send` posts the body to the worker (``gateway.forward.upstream``) at the
+  canonical target (``gateway.forward.outbound.upstream_target``) and returns its
   response head, or raises :class:`AttemptFailed` (``connect``: nothing reached the worker
   or it hung up before answering; ``timeout``). Nothing has reached the client then, so
-  the router may retry.
+  the router may retry. A target or header the gateway must not write (CR, LF or NUL in
+  a value, a path that is not a plain API path) is the client's 400, sent nowhere.
 - :func:`relay` sends the worker's answer to the client and returns the outcome.
-  * A 5xx or 429 head is reported as ``AttemptFailed("status")`` (body read, connection
-    reusable) unless ``final``, so the router can try another worker.
-  * SSE (``200`` + ``text/event-stream``): the client's response is prepared only at the
-    worker's first chunk, so a worker that fails before it is still retryable; the first
-    chunk marks time to first token. Then chunks are written as they arrive
-    (``readany`` → ``write``, which awaits the transport's drain: back-pressure). Only
-    whole events are written: a trailing partial event waits for its end, so a failure
-    mid-stream is followed by exactly one SGLang error event and ``data: [DONE]``.
-  * Anything else is read whole and relayed as is (status, body, content type).
-- Client disconnect (write fails, or the handler is cancelled): the upstream connection is
-  closed and ``/abort_request`` is sent to the worker in the background; the caller's lease
-  is released by the caller's ``finally``.
+  * A 5xx or 429 head is reported as ``AttemptFailed("status")`` (body read, bounded,
+    connection reusable) unless ``final``, so the router can try another worker. A 3xx is
+    never followed nor relayed (its ``Location`` is the worker's to give, not the
+    client's to follow): ``AttemptFailed("connect")``.
+  * SSE (``200`` + ``text/event-stream``, any case): the client's response is prepared
+    only at the worker's first body bytes, so a worker that fails before them is still
+    retryable; they mark time to first token. Then whole events (``gateway.forward.sse``:
+    CRLF, CR or LF line ends; a last event without its blank line) are written as they
+    complete (``readany`` → ``write``, which awaits the transport's drain: back-pressure).
+    The stream succeeded when an event's data was ``[DONE]``; a failure before it is
+    followed by exactly one SGLang error event and ``data: [DONE]``; a failure after it
+    ends the stream quietly. An event larger than the pool's ``max_event_bytes`` ends the
+    stream with a 502 error event, nothing of it held beyond the bound. An encoded stream
+    (``Content-Encoding``) cannot be cut into events: ``AttemptFailed("connect")``.
+  * Anything else is read whole (at most the pool's ``max_body_bytes``: beyond, the
+    attempt failed, ``dropped``) and relayed as is (status, body, content type).
+- Client disconnect (write fails, or the handler is cancelled), or a client that takes
+  no byte of a write for the pool's ``read_idle_timeout_s``: the upstream connection is
+  closed and ``/abort_request`` is sent to the worker in the background; the caller's
+  lease is released by the caller's ``finally``. A stream cut by its deadline while the
+  client, not the worker, held it back is not the worker's failure
+  (``Outcome.failed_mid_stream`` stays false).
+- Response headers: hop-by-hop ones and every name the worker's ``Connection`` lists are
+  dropped, as are ``Date``/``Server`` (aiohttp sets its own).
 - Both sockets have TCP_NODELAY: aiohttp's server protocol sets it on accepted sockets,
   and asyncio/uvloop set it on the worker connections of ``gateway.forward.upstream``.
 """
@@ -34,33 +48,23 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.errors import stream_error_event
+from gateway.errors import GatewayError, stream_error_event
+from gateway.forward.outbound import (
+    HOP_BY_HOP,
+    connection_listed,
+    forwarded_headers,
+    upstream_target,
+)
+from gateway.forward.sse import EventFramer, EventTooLarge
 from gateway.forward.upstream import FirstByteTimeout, UpstreamError, UpstreamPool, UpstreamResponse
 
-# Never forwarded in either direction (RFC 9110 §7.6.1), plus lengths aiohttp recomputes.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-        "expect",  # the gateway already read the body: no 100-continue dance upstream
-    }
-)
+__all__ = ["HOP_BY_HOP", "AttemptFailed", "ClientGone", "Outcome"]
+
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
-_REPLACED = HOP_BY_HOP | {"x-request-id", "content-type"}
 # usage / meta_info "cached_tokens"; llama.cpp's timings "cache_n" (the same number)
 _CACHED = re.compile(rb'"(?:cached_tokens|cache_n)"\s*:\s*(\d+)')
 _CACHED_MARKS = (b'"cached_tokens"', b'"cache_n"')
-_DONE = b"data: [DONE]"
-_EVENT_END = b"\n\n"
+_BAD_VALUE = re.compile(r"[\r\n\x00]")
 
 
 class AttemptFailed(Exception):
@@ -99,14 +103,11 @@ def upstream_headers(
     extra: Mapping[str, str],
     drop: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones and ``drop`` (lower-case names: the
-    client's credentials, see ``gateway.forward.credentials``), with the request id, a
-    JSON content type (and ``extra``) set."""
-    out = [
-        (key, value)
-        for key, value in headers.items()
-        if (name := key.lower()) not in _REPLACED and name not in drop
-    ]
+    """The client's headers as ``gateway.forward.outbound.forwarded_headers`` keeps them
+    (``drop``: lower-case names, the client's credentials, see
+    ``gateway.forward.credentials``), with the request id, a JSON content type (and
+    ``extra``) set."""
+    out = forwarded_headers(headers.items(), drop)
     out.append(("x-request-id", request_id))
     # The body parsed as JSON, and SGLang refuses any other type: curl's -d default
     # (form-urlencoded) must not turn a valid request into a worker's 400.
@@ -124,7 +125,9 @@ async def send(
     deadline: float,
 ) -> UpstreamResponse:
     try:
-        return await pool.request(url, path, headers, body, deadline)
+        return await pool.request(url, upstream_target(path), headers, body, deadline)
+    except ValueError as exc:  # nothing was sent: the client's input cannot go upstream
+        raise GatewayError(400, f"the request cannot be forwarded: {exc}") from None
     except UpstreamError as exc:
         raise AttemptFailed("connect", str(exc)) from exc
     except FirstByteTimeout as exc:  # retryable: the request's own budget is not spent
@@ -143,11 +146,18 @@ def cached_tokens(data: bytes) -> int | None:
 
 def _response_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
+    listed = connection_listed(upstream.headers)
     for key, value in upstream.headers:
-        if key.lower() not in _NOT_RELAYED:
+        name = key.lower()
+        # llhttp refused CR, LF and NUL in values already: the check costs little here
+        if name not in _NOT_RELAYED and name not in listed and not _BAD_VALUE.search(value):
             out.add(key, value)
     out.update(extra)
     return out
+
+
+def _media_type(upstream: UpstreamResponse) -> str:
+    return (upstream.header("content-type") or "").partition(";")[0].strip().lower()
 
 
 async def relay(
@@ -162,15 +172,21 @@ async def relay(
 ) -> tuple[web.StreamResponse, Outcome]:
     """Relay ``upstream`` to the client (see the module contract)."""
     status = upstream.status
+    limits = upstream.limits
     if (status >= 500 or status == 429) and not final:
-        body = await _read_body(upstream)
+        body = await _read_body(upstream, limits.max_body_bytes)
         raise AttemptFailed(
             "status", f"the worker answered {status}", status, body, dict(upstream.headers)
         )
-    ctype = upstream.header("content-type") or ""
-    if stream and status == 200 and ctype.startswith("text/event-stream"):
+    if 300 <= status < 400:
+        upstream.close()
+        raise AttemptFailed("connect", f"the worker answered a redirect ({status})")
+    if stream and status == 200 and _media_type(upstream) == "text/event-stream":
+        if (upstream.header("content-encoding") or "identity").strip().lower() != "identity":
+            upstream.close()
+            raise AttemptFailed("connect", "the worker encoded its event stream")
         return await _relay_sse(request, upstream, extra_headers, started, on_first_byte)
-    body = await _read_body(upstream)
+    body = await _read_body(upstream, limits.max_body_bytes)
     on_first_byte()
     response = web.Response(
         status=status, body=body, headers=_response_headers(upstream, extra_headers)
@@ -178,9 +194,9 @@ async def relay(
     return response, Outcome(status=status, cached_tokens=cached_tokens(body))
 
 
-async def _read_body(upstream: UpstreamResponse) -> bytes:
+async def _read_body(upstream: UpstreamResponse, limit: int) -> bytes:
     try:
-        return await upstream.read()
+        return await upstream.read(limit)
     except UpstreamError as exc:
         raise AttemptFailed("dropped", f"the worker dropped the connection: {exc}") from exc
     except TimeoutError as exc:
@@ -199,6 +215,38 @@ async def _first_chunk(upstream: UpstreamResponse) -> bytes:
     return chunk
 
 
+class _WriteWatch:
+    """Closes the client's connection when one write takes no byte for ``limit_s``: a
+    client that stopped reading must not hold a worker's slot until the request's
+    deadline. One timer per stream, checked four times per period."""
+
+    __slots__ = ("_limit", "_loop", "_request", "_timer", "since")
+
+    def __init__(self, request: web.Request, limit_s: float) -> None:
+        self._request = request
+        self._limit = limit_s
+        self._loop = asyncio.get_running_loop()
+        self.since: float | None = None  # when the pending write began, None if none
+        self._timer: asyncio.TimerHandle | None = None
+        if limit_s > 0:
+            self._timer = self._loop.call_later(limit_s / 4, self._check)
+
+    def _check(self) -> None:
+        since = self.since
+        if since is not None and self._loop.time() - since >= self._limit:
+            self._timer = None
+            transport = self._request.transport
+            if transport is not None:
+                transport.close()  # the pending write fails: the client is gone
+            return
+        self._timer = self._loop.call_later(self._limit / 4, self._check)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 async def _relay_sse(
     request: web.Request,
     upstream: UpstreamResponse,
@@ -211,40 +259,63 @@ async def _relay_sse(
     on_first_byte()
     response = web.StreamResponse(status=200, headers=_response_headers(upstream, extra_headers))
     await _client_write(response, response.prepare(request))
-    pending = b""  # a trailing partial event, held until its end arrives
+    limits = upstream.limits
+    framer = EventFramer(limits.max_event_bytes)
+    watch = _WriteWatch(request, limits.client_stall_s)
+    loop = asyncio.get_running_loop()
     last_usage = b""
-    last = chunk
-    writing = False  # tells a client failure (while writing) from a worker's
     try:
-        while chunk:
-            if any(mark in chunk for mark in _CACHED_MARKS):
-                last_usage = chunk
-            last = chunk
-            if pending or not chunk.endswith(_EVENT_END):
-                chunk = pending + chunk
-                end = chunk.rfind(_EVENT_END)
-                cut = end + 2 if end >= 0 else 0
-                pending, chunk = chunk[cut:], chunk[:cut]
-            if chunk:
-                writing = True
-                await response.write(chunk)  # awaits the drain: back-pressure
-                writing = False
-            chunk = await upstream.readany()
-        if _DONE not in last:
-            raise UpstreamError("dropped", "the stream ended without [DONE]")
-    except (UpstreamError, aiohttp.ClientConnectionError, OSError, TimeoutError) as exc:
-        if writing:
-            raise ClientGone(response) from exc
-        outcome.failed_mid_stream = True
-        code, message = (
-            (504, "the worker timed out mid-stream")
-            if isinstance(exc, TimeoutError)
-            else (502, "the worker failed mid-stream")
-        )
-        await _client_write(response, response.write(stream_error_event(code, message)))
+        try:
+            while chunk:
+                events = framer.feed(chunk)
+                if events:
+                    if any(mark in events for mark in _CACHED_MARKS):
+                        last_usage = events
+                    await _write(response, events, watch, loop)
+                chunk = await upstream.readany()
+            events = framer.end()  # the body ended cleanly: a last unterminated event
+            if events:
+                await _write(response, events, watch, loop)
+            if not framer.done:
+                raise UpstreamError("dropped", "the stream ended without [DONE]")
+        except (UpstreamError, aiohttp.ClientConnectionError, OSError, TimeoutError) as exc:
+            if not framer.done:
+                outcome.failed_mid_stream = not _client_held(upstream, exc)
+                code, message = (
+                    (504, "the worker timed out mid-stream")
+                    if isinstance(exc, TimeoutError)
+                    else (502, "the worker failed mid-stream")
+                )
+                await _client_write(response, response.write(stream_error_event(code, message)))
+            upstream.close()
+        except EventTooLarge:
+            outcome.failed_mid_stream = True
+            upstream.close()
+            message = f"an event from the worker exceeds {limits.max_event_bytes} bytes"
+            await _client_write(response, response.write(stream_error_event(502, message)))
+    finally:
+        watch.stop()
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
     await _client_write(response, response.write_eof())
     return response, outcome
+
+
+async def _write(
+    response: web.StreamResponse, data: bytes, watch: _WriteWatch, loop: asyncio.AbstractEventLoop
+) -> None:
+    """One client write (awaits the drain: back-pressure), watched for a stalled client."""
+    watch.since = loop.time()
+    try:
+        await response.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, OSError) as exc:
+        raise ClientGone(response) from exc
+    finally:
+        watch.since = None
+
+
+def _client_held(upstream: UpstreamResponse, exc: BaseException) -> bool:
+    """The deadline cut a stream the client was holding back (not the worker's fault)."""
+    return isinstance(exc, TimeoutError) and upstream.expired and upstream.held_by_reader
 
 
 class ClientGone(Exception):
@@ -269,12 +340,14 @@ async def abort(
     timeout_s: float,
     path: str = "/abort_request",
 ) -> None:
-    """Ask the worker to stop ``rid`` (fire and forget: errors are ignored)."""
+    """Ask the worker to stop ``rid`` (fire and forget: errors are ignored; a redirect is
+    not followed)."""
     try:
         async with session.post(
             url + path,
             json={"rid": rid},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
+            allow_redirects=False,
         ) as resp:
             await resp.read()
     except (aiohttp.ClientError, TimeoutError, OSError, asyncio.CancelledError):

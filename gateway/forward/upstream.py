@@ -1,47 +1,84 @@
-"""A lean HTTP/1.1 client for the request path: one POST to one worker, kept-alive.
+"""The request path's HTTP/1.1 client: one POST to one worker, kept-alive, framed by llhttp.
 
 Why not ``aiohttp.ClientSession`` here: measured on this project's 2-core machine it costs
 about 190 us of CPU per request against about 45 us for a plain stream client, and the
-gateway's own work is a fraction of that. The session remains for everything else
-(probes, load polls, aborts, model lists), where its features matter more than its cost.
+gateway's own work is a fraction of that (BENCHMARKS.md, "Upstream parser"). Why not the
+hand-written framing this module had before: a worker's answer is input, and every
+leniency in reading it was a way to desynchronise a kept-alive connection (issue 16).
+Worker answers are parsed by llhttp (``httptools``, uvicorn's parser: Node's, fuzzed and
+maintained) in its strict mode; this module only moves bytes and keeps the pool.
+The session remains for everything else (probes, load polls, aborts, model lists).
 
 Contract:
-- :meth:`UpstreamPool.request` sends ``POST path`` with the given headers and body and
+- :meth:`UpstreamPool.request` sends ``POST target`` with the given headers and body and
   returns the response head (:class:`UpstreamResponse`), or raises :class:`UpstreamError`
-  with ``kind="connect"``: nothing was answered (refused, unreachable, connect timeout,
-  hung up before the status line). An idle kept-alive connection that turns out closed
-  before any answer is replaced by a fresh one once, transparently.
+  with ``kind="connect"``: nothing usable was answered (refused, unreachable, connect
+  timeout, hung up or answered something that is not HTTP/1.x before a final head). The
+  request is written once: it is never sent again, on this connection or another, once
+  its bytes were handed to a connection (the worker may have read it whole); a kept-alive
+  connection is reused only if nothing arrived on it while idle (no byte, no close).
+- The target must be origin-form (``/`` then visible ASCII), header names tokens and no
+  value may hold CR, LF or NUL: else ``ValueError`` and nothing is sent.
 - Every wait (connect, head, body) ends at the request's ``deadline`` (loop time) with
-  ``TimeoutError`` (for the body: one timer per response cuts the connection). The head
-  must also come within ``first_byte_timeout_s`` of sending (0: no such bound), else
-  :class:`FirstByteTimeout` (a ``TimeoutError``). A body silent for
-  ``read_idle_timeout_s`` (checked four times per period, so cut between 1x and 1.25x
-  of it; 0: never) is cut and its pending read raises ``TimeoutError``.
-- Bodies: ``Content-Length``, ``chunked``, or until close. :meth:`UpstreamResponse.readany`
-  returns whatever body bytes are available (chunk framing removed), ``b""`` at the end;
-  :meth:`read` returns the rest whole. Broken bodies raise :class:`UpstreamError`
-  (``kind="dropped"``).
-- A connection returns to its worker's idle pool only when its body was read to the end
-  and neither side asked to close; :meth:`UpstreamResponse.close` drops it (used on client
-  disconnect, so the worker sees the connection go). Idle connections older than
-  ``idle_timeout_s`` are not reused (below aiohttp's 75 s server keep-alive, so a worker
-  never closes one under our feet in the common case).
-- The transport sets TCP_NODELAY (asyncio does for TCP streams), so small SSE events
+  ``TimeoutError``. The head must also come within ``first_byte_timeout_s`` of sending
+  (0: no such bound), else :class:`FirstByteTimeout` (a ``TimeoutError``). A worker silent
+  for ``read_idle_timeout_s`` while the gateway waits for it (checked four times per
+  period, so cut between 1x and 1.25x of it; 0: never) is cut and the pending read
+  raises ``TimeoutError``; time the gateway spends not reading (its buffer full because
+  the client is slow: back-pressure) is not the worker's silence.
+- Framing, by llhttp: ``Content-Length``, ``chunked``, or until close; no body for 1xx,
+  204 and 304; interim 1xx heads are skipped; ``101`` and transfer codings other than
+  ``chunked`` are refused; ``Transfer-Encoding`` with ``Content-Length``, duplicate or
+  malformed lengths, bad chunk sizes, CR/LF/NUL inside header values, obs-fold and bare
+  LF line ends are errors. A head over ``MAX_HEAD_BYTES`` or ``MAX_HEADERS`` fields is
+  refused. :meth:`UpstreamResponse.readany` returns the body bytes available (framing
+  removed), ``b""`` at the end; :meth:`read` returns the rest whole (bounded by its
+  ``limit``). Broken bodies raise :class:`UpstreamError` (``kind="dropped"``).
+- A connection returns to its worker's idle pool only when its answer was read to the
+  end, llhttp says keep-alive (``Connection`` tokens, HTTP version, framing), and no byte
+  followed the answer; :meth:`UpstreamResponse.close` drops it (used on client disconnect,
+  so the worker sees the connection go). Idle connections older than ``idle_timeout_s``
+  are not reused (below uvicorn's 5 s keep-alive, so a worker seldom closes one under our
+  feet: such a race is reported as ``connect`` and the router decides, never resent here).
+- Back-pressure: at most ``_HIGH_WATER`` body bytes are held per response; beyond it the
+  socket stops being read until the consumer takes them.
+- The transport sets TCP_NODELAY (asyncio and uvloop do for TCP), so small SSE events
   leave at once.
+
+Cost: one ``httptools`` parser per response (a C object); callbacks per header and per
+body piece; one deadline timer per response, one idle timer per streamed body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl as ssl_module
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
-_READ_SIZE = 64 * 1024
-_MAX_LINE = 1024
-# chunked decoder states
-_SIZE, _DATA, _DATA_END, _TRAILER = 0, 1, 2, 3
+import httptools
+
+MAX_HEAD_BYTES = 64 * 1024  # a worker's status line + headers (SGLang's are < 1 KiB)
+MAX_HEADERS = 100
+MAX_BODY_BYTES = 256 * 1024 * 1024
+MAX_EVENT_BYTES = 8 * 1024 * 1024  # SGLang's /generate text (and ids) are cumulative
+_HIGH_WATER = 128 * 1024  # body bytes held before the socket stops being read
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(r"/[!-~]*")  # origin-form: a slash, then visible ASCII only
+_CHUNKED = "chunked"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on one answer, kept by the pool and read by the relay."""
+
+    max_body_bytes: int = MAX_BODY_BYTES  # a whole (non-streamed) answer
+    max_event_bytes: int = MAX_EVENT_BYTES  # one SSE event
+    client_stall_s: float = 0.0  # a client write that takes no byte this long: gone (0: no)
 
 
 class UpstreamError(Exception):
@@ -54,24 +91,59 @@ class FirstByteTimeout(TimeoutError):
     """The worker's response head did not arrive within ``first_byte_timeout_s``."""
 
 
-class _Conn:
-    __slots__ = ("idle_since", "reader", "reused", "writer")
+class _Trailing(Exception):
+    """Bytes followed a complete answer: the connection is out of step, never reused."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+
+class _Conn(asyncio.Protocol):
+    """One connection to a worker; feeds the current exchange's parser."""
+
+    __slots__ = ("closed", "exchange", "idle_since", "transport")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.exchange: UpstreamResponse | None = None
         self.idle_since = 0.0
-        self.reused = False
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses: no isinstance check
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None:  # idle: a worker sends nothing between two answers
+            self.close()
+            return
+        exchange._feed(data)
+
+    def eof_received(self) -> bool:
+        exchange = self.exchange
+        if exchange is not None:
+            exchange._eof()
+        self.closed = True
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        exchange = self.exchange
+        if exchange is not None:
+            exchange._eof()
 
     def usable(self, now: float, idle_timeout_s: float) -> bool:
+        transport = self.transport
         return (
-            not self.writer.is_closing()
-            and not self.reader.at_eof()
+            not self.closed
+            and transport is not None
+            and not transport.is_closing()
             and now - self.idle_since < idle_timeout_s
         )
 
     def close(self) -> None:
-        self.writer.close()
+        self.closed = True
+        self.exchange = None
+        if self.transport is not None:
+            self.transport.close()
 
 
 class _Target:
@@ -85,7 +157,9 @@ class _Target:
         self.host = parts.hostname or "127.0.0.1"
         self.ssl = parts.scheme == "https"
         self.port = parts.port or (443 if self.ssl else 80)
-        self.host_header = f"Host: {parts.netloc}\r\n".encode("latin-1")
+        # host and port only: userinfo in a worker URL never reaches the wire
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = f"Host: {host}:{self.port}\r\n"
         self.idle: deque[_Conn] = deque()
 
 
@@ -94,11 +168,14 @@ class UpstreamPool:
         self,
         connect_timeout_s: float,
         max_idle_per_worker: int = 256,
-        idle_timeout_s: float = 30.0,
+        idle_timeout_s: float = 4.0,
         *,
         first_byte_timeout_s: float = 0.0,
         read_idle_timeout_s: float = 0.0,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
+        self.limits = Limits(max_body_bytes, max_event_bytes, read_idle_timeout_s)
         self._connect_timeout = connect_timeout_s
         self._first_byte = first_byte_timeout_s
         self._read_idle = read_idle_timeout_s
@@ -133,15 +210,21 @@ class UpstreamPool:
         deadline: float,
     ) -> UpstreamResponse:
         target = self._target(base_url)
-        head = _request_head(target, path, headers, len(body))
-        conn = self._take(target)
-        if conn is not None:
-            try:
-                return await self._exchange(target, conn, head, body, deadline)
-            except UpstreamError:
-                pass  # the idle connection was closed by the worker: once more, fresh
-        conn = await self._connect(target, deadline)
-        return await self._exchange(target, conn, head, body, deadline)
+        head = request_head(target.host_header, path, headers, len(body))
+        conn = self._take(target) or await self._connect(target, deadline)
+        loop = asyncio.get_running_loop()
+        head_by = min(deadline, loop.time() + self._first_byte) if self._first_byte else deadline
+        response = UpstreamResponse(self, target, conn, deadline, head_by)
+        transport = conn.transport
+        assert transport is not None
+        if len(body) < 65536:
+            transport.write(head + body)
+        else:  # no copy of a large body
+            transport.writelines((head, body))
+        await response._head_received()
+        if self._read_idle:
+            response.watch_idle(self._read_idle)
+        return response
 
     def _take(self, target: _Target) -> _Conn | None:
         now = asyncio.get_running_loop().time()
@@ -149,13 +232,17 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()  # most recent first: the likeliest still open
             if conn.usable(now, self._idle_timeout):
-                conn.reused = True
                 return conn
             conn.close()
         return None
 
     def give_back(self, target: _Target, conn: _Conn) -> None:
-        if self._targets.get(target.url) is not target or len(target.idle) >= self._max_idle:
+        conn.exchange = None
+        if (
+            conn.closed
+            or self._targets.get(target.url) is not target
+            or len(target.idle) >= self._max_idle
+        ):
             conn.close()
             return
         conn.idle_since = asyncio.get_running_loop().time()
@@ -171,167 +258,307 @@ class UpstreamPool:
             ssl_ctx = self._ssl
         try:
             async with asyncio.timeout_at(limit):
-                reader, writer = await asyncio.open_connection(
-                    target.host, target.port, ssl=ssl_ctx, limit=_READ_SIZE
-                )
+                _, conn = await loop.create_connection(_Conn, target.host, target.port, ssl=ssl_ctx)
         except TimeoutError:
             if loop.time() >= deadline:
                 raise
             raise UpstreamError("connect", "connecting to the worker timed out") from None
         except OSError as exc:
             raise UpstreamError("connect", f"the worker is unreachable: {exc}") from None
-        return _Conn(reader, writer)
-
-    async def _exchange(
-        self, target: _Target, conn: _Conn, head: bytes, body: bytes, deadline: float
-    ) -> UpstreamResponse:
-        try:
-            conn.writer.write(head + body if len(body) < 65536 else head)
-            if len(body) >= 65536:
-                conn.writer.write(body)
-            loop = asyncio.get_running_loop()
-            head_by = (
-                min(deadline, loop.time() + self._first_byte) if self._first_byte else deadline
-            )
-            async with asyncio.timeout_at(head_by):
-                await conn.writer.drain()
-                raw = await conn.reader.readuntil(b"\r\n\r\n")
-                while raw.startswith(b"HTTP/1.1 1") and not raw.startswith(b"HTTP/1.1 101"):
-                    raw = await conn.reader.readuntil(b"\r\n\r\n")  # interim 1xx: skip
-        except TimeoutError:  # an OSError too: caught first, it is not a hang-up
-            conn.close()
-            if head_by < deadline:
-                raise FirstByteTimeout("the worker sent no response head in time") from None
-            raise
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            conn.close()
-            raise UpstreamError(
-                "connect", f"the worker hung up before answering: {exc!r}"
-            ) from None
-        except asyncio.LimitOverrunError:
-            conn.close()
-            raise UpstreamError("connect", "the worker's response head is too large") from None
-        except BaseException:
-            conn.close()
-            raise
-        response = UpstreamResponse(self, target, conn, raw, deadline)
-        if self._read_idle:
-            response.watch_idle(self._read_idle)
-        return response
+        return conn
 
 
-def _request_head(
-    target: _Target, path: str, headers: Iterable[tuple[str, str]], length: int
+def request_head(
+    host_header: str, target: str, headers: Iterable[tuple[str, str]], length: int
 ) -> bytes:
-    lines = [f"POST {path} HTTP/1.1\r\n".encode("latin-1"), target.host_header]
+    """``POST target`` with ``headers``; ValueError (nothing sent) for a target that is not
+    origin-form, a name that is not a token, or a value holding CR, LF or NUL."""
+    if not _TARGET.fullmatch(target) or "#" in target:
+        raise ValueError("the upstream target must be origin-form visible ASCII")
+    lines = [f"POST {target} HTTP/1.1\r\n", host_header]
     for name, value in headers:
-        lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
-    lines.append(f"Content-Length: {length}\r\n\r\n".encode("latin-1"))
-    return b"".join(lines)
+        if not _TOKEN.fullmatch(name):
+            raise ValueError("an upstream header name is not an HTTP token")
+        lines.append(f"{name}: {value}\r\n")
+    lines.append(f"Content-Length: {length}\r\n\r\n")
+    text = "".join(lines)
+    # One scan for the whole head: each line above ends in exactly one CRLF (the last in
+    # two), so any other CR or LF, or any NUL, came from a value: a smuggling attempt.
+    ends = len(lines) + 1
+    if "\x00" in text or text.count("\n") != ends or text.count("\r") != ends:
+        raise ValueError("an upstream header value holds CR, LF or NUL")
+    # the bytes the client sent: aiohttp decodes header bytes as UTF-8, surrogate-escaped
+    return text.encode("utf-8", "surrogateescape")
 
 
 class UpstreamResponse:
-    """The worker's answer: status and headers parsed, body read on demand."""
+    """The worker's answer: llhttp's callbacks fill it; the relay reads it."""
 
     __slots__ = (
-        "_buf",
-        "_chunk_left",
+        "_buffered",
+        "_chunks",
+        "_complete",
         "_conn",
-        "_done",
+        "_error",
         "_expired",
+        "_framed",
+        "_head_by",
+        "_head_bytes",
+        "_head_future",
         "_idle_s",
         "_idle_timer",
-        "_last_read",
-        "_length",
-        "_mode",
+        "_interim",
+        "_last_data",
+        "_loop",
+        "_parser",
+        "_paused",
         "_pool",
-        "_state",
         "_target",
-        "_watchdog",
+        "_timer",
+        "_waiter",
+        "deadline",
         "headers",
+        "held_by_reader",
         "keep_alive",
+        "limits",
         "status",
     )
 
     def __init__(
-        self, pool: UpstreamPool, target: _Target, conn: _Conn, raw: bytes, deadline: float
+        self, pool: UpstreamPool, target: _Target, conn: _Conn, deadline: float, head_by: float
     ) -> None:
         self._pool = pool
+        self.limits = pool.limits
+        self.held_by_reader = False  # at a failure, the gateway was not waiting to read
         self._target = target
         self._conn: _Conn | None = conn
-        self._watchdog: asyncio.TimerHandle | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self._idle_s = 0.0
-        self._last_read = 0.0
-        self._expired = False
-        lines = raw.decode("latin-1").split("\r\n")
-        status_line = lines[0].split(" ", 2)
-        try:
-            self.status = int(status_line[1])
-        except (IndexError, ValueError):
-            conn.close()
-            raise UpstreamError("connect", f"bad status line {lines[0][:80]!r}") from None
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpResponseParser(self)
+        self.deadline = deadline
+        self._head_by = head_by
+        self.status = 0
         self.headers: list[tuple[str, str]] = []
-        length: int | None = None
-        chunked = False
-        self.keep_alive = status_line[0] == "HTTP/1.1"
-        for line in lines[1:]:
-            if not line:
-                continue
-            name, _, value = line.partition(":")
-            name, value = name.strip(), value.strip()
+        self.keep_alive = False
+        self._head_bytes = 0
+        self._interim = False
+        self._framed = False  # Content-Length or chunked: an early close is a cut body
+        self._head_future: asyncio.Future[None] | None = self._loop.create_future()
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._complete = False
+        self._error: BaseException | None = None
+        self._expired = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._idle_s = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._last_data = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(head_by, self._expire)
+        conn.exchange = self
+
+    # --- llhttp callbacks (httptools calls them by name) ---------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            raise _Trailing()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.status:  # a trailer field of a chunked body: not relayed
+            return
+        if len(self.headers) >= MAX_HEADERS:
+            raise UpstreamError("connect", "the worker's answer has too many header fields")
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status == 101:
+            raise UpstreamError("connect", "the worker switched protocols unasked")
+        if status < 200:  # interim (100 Continue, 103 Early Hints): its fields are dropped
+            self._interim = True
+            self.headers.clear()
+            return
+        framed = False
+        for name, value in self.headers:
             low = name.lower()
-            if low == "content-length":
-                length = int(value) if value.isdigit() else None
-            elif low == "transfer-encoding":
-                chunked = "chunked" in value.lower()
-            elif low == "connection":
-                self.keep_alive = value.lower() != "close" and (
-                    self.keep_alive or value.lower() == "keep-alive"
-                )
-            self.headers.append((name, value))
-        self._chunk_left = 0
-        self._state = _SIZE
-        self._buf = bytearray()
-        if chunked:
-            self._mode, self._length = "chunked", 0
-        elif length is not None:
-            self._mode, self._length = "length", length
-        else:
-            self._mode, self._length = "close", 0
+            if low == "transfer-encoding":
+                if value.strip().lower() != _CHUNKED:  # llhttp checked the syntax
+                    raise UpstreamError("connect", "the worker used a transfer coding")
+                framed = True
+            elif low == "content-length":
+                framed = True
+        self._framed = framed
+        self.status = status
+        self._head_done(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self._conn is not None:
+            transport = self._conn.transport
+            if transport is not None:
+                self._paused = True
+                transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self.keep_alive = self._parser.should_keep_alive()  # read here: llhttp resets after
+        self._complete = True
+        self._wake()
+
+    # --- from the connection -------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        if self._idle_s:
+            self._last_data = self._loop.time()
+        if not self.status:  # llhttp has no bound of its own on a head
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._fail(UpstreamError("connect", "the worker's response head is too large"))
+                return
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, UpstreamError):
+                self._fail(cause)
+            elif self._complete:  # _Trailing: the answer is whole, the connection is not
+                self._drop_conn()
+            else:
+                self._fail(self._malformed(exc))
+            return
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamError("connect", "the worker switched protocols unasked"))
+            return
+        except httptools.HttpParserError as exc:
+            if self._complete:  # garbage after a whole answer
+                self._drop_conn()
+            else:
+                self._fail(self._malformed(exc))
+            return
+        if self._complete:
+            self._release_conn()
+
+    def _malformed(self, exc: Exception) -> UpstreamError:
+        kind = "dropped" if self.status else "connect"
+        return UpstreamError(kind, f"the worker's answer is malformed HTTP: {exc}")
+
+    def _eof(self) -> None:
+        """The worker closed: the end of a close-delimited body, else a cut answer."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.exchange = None
+            conn.close()
+        if self._complete or self._error is not None:
+            return
+        if self.status and not self._framed:
+            self._complete = True  # read until close: this is its end
             self.keep_alive = False
-        self._done = self._mode == "length" and length == 0
-        if self._done:
-            self._finish()
+            self._stop_timers()
+            self._wake()
+        elif self.status:
+            self._fail(UpstreamError("dropped", "the worker's body was cut short"))
         else:
-            self._watchdog = asyncio.get_running_loop().call_at(deadline, self._expire)
+            self._fail(UpstreamError("connect", "the worker hung up before answering"))
 
-    def watch_idle(self, idle_s: float) -> None:
-        """Cut the body if no byte arrives for ``idle_s`` (see the module contract)."""
-        if self._done or idle_s <= 0:
-            return
-        loop = asyncio.get_running_loop()
-        self._idle_s = idle_s
-        self._last_read = loop.time()
-        self._idle_timer = loop.call_later(idle_s / 4, self._idle_check)
+    # --- state changes -------------------------------------------------------------
 
-    def _idle_check(self) -> None:
-        self._idle_timer = None
-        if self._done:
+    def _head_done(self, error: BaseException | None) -> None:
+        future, self._head_future = self._head_future, None
+        if future is None or future.done():
             return
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._last_read >= self._idle_s:
-            self._expire()
+        if error is None:
+            future.set_result(None)
+            if self._timer is not None and self._head_by < self.deadline:
+                self._timer.cancel()
+                self._timer = self._loop.call_at(self.deadline, self._expire)
+        else:
+            future.set_exception(error)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None and not self._complete:
+            self._error = error
+            self.held_by_reader = self.status != 0 and self._waiter is None
+        self._drop_conn()
+        self._head_done(error)
+        self._wake()
+
+    def _drop_conn(self) -> None:
+        self._stop_timers()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _release_conn(self) -> None:
+        self._stop_timers()
+        conn, self._conn = self._conn, None
+        if conn is None:
             return
-        self._idle_timer = loop.call_later(self._idle_s / 4, self._idle_check)
+        if self.keep_alive:
+            self._pool.give_back(self._target, conn)
+        else:
+            conn.close()
 
     def _stop_timers(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+
+    def _expire(self) -> None:
+        """The deadline (or the head's) passed: cut the connection; pending reads raise."""
+        self._timer = None
+        if self._complete:
+            return
+        self._expired = True
+        error: TimeoutError = (
+            FirstByteTimeout("the worker sent no response head in time")
+            if not self.status and self._head_by < self.deadline
+            else TimeoutError("the worker's answer outlived its deadline")
+        )
+        self._fail(error)
+
+    # --- the consumer's side -------------------------------------------------------
+
+    async def _head_received(self) -> None:
+        future = self._head_future
+        if future is not None:
+            try:
+                await future
+            except BaseException:
+                self.close()
+                raise
+
+    def watch_idle(self, idle_s: float) -> None:
+        """Cut the body if the worker is silent for ``idle_s`` (see the module contract)."""
+        if self._complete or self._error is not None or idle_s <= 0:
+            return
+        self._idle_s = idle_s
+        self._last_data = self._loop.time()
+        self._idle_timer = self._loop.call_later(idle_s / 4, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        if self._complete or self._error is not None:
+            return
+        now = self._loop.time()
+        if self._paused:
+            self._last_data = now  # not reading: the silence is ours, not the worker's
+        elif now - self._last_data >= self._idle_s:
+            self._fail(TimeoutError("the worker was silent for too long"))
+            return
+        self._idle_timer = self._loop.call_later(self._idle_s / 4, self._idle_check)
 
     def header(self, name: str) -> str | None:
         low = name.lower()
@@ -340,128 +567,57 @@ class UpstreamResponse:
                 return value
         return None
 
-    def _finish(self) -> None:
-        self._done = True
-        self._stop_timers()
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            if self.keep_alive:
-                self._pool.give_back(self._target, conn)
-            else:
-                conn.close()
+    @property
+    def expired(self) -> bool:
+        """The answer was cut by its deadline (or its head's)."""
+        return self._expired
 
     def close(self) -> None:
         """Drop the connection (the worker sees it close); idempotent."""
-        conn, self._conn = self._conn, None
-        self._done = True
-        self._stop_timers()
-        if conn is not None:
-            conn.close()
+        self._complete = self._complete or self._error is None
+        self._drop_conn()
+        self._head_done(UpstreamError("connect", "closed"))
+        self._wake()
 
     def release(self) -> None:
         """Give up on the rest of the body: the connection cannot be reused."""
-        if not self._done:
+        if self._conn is not None:
             self.close()
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        """The rest of the body; UpstreamError ("dropped") once it exceeds ``limit``."""
         parts: list[bytes] = []
-        while True:
-            data = await self.readany()
-            if not data:
-                return b"".join(parts)
+        size = 0
+        while data := await self.readany():
+            size += len(data)
+            if limit is not None and size > limit:
+                self.close()
+                raise UpstreamError("dropped", f"the worker's answer exceeds {limit} bytes")
             parts.append(data)
+        return b"".join(parts)
 
     async def readany(self) -> bytes:
-        if self._done or self._conn is None:
-            if self._expired:  # cut by a timer between two reads: still a timeout, once
-                self._expired = False
-                raise TimeoutError("the worker's answer outlived its deadline")
-            return b""
-        reader = self._conn.reader
-        if self._idle_s:
-            self._last_read = asyncio.get_running_loop().time()
-        try:
-            if self._mode == "length":
-                data = await reader.read(min(self._length, _READ_SIZE))
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", self._length)
-                self._length -= len(data)
-                if self._length == 0:
-                    self._finish()
-                return data
-            if self._mode == "close":
-                data = await reader.read(_READ_SIZE)
-                if not data:
-                    if self._expired:
-                        raise asyncio.IncompleteReadError(b"", None)
-                    self._finish()
-                return data
-            return await self._read_chunked(reader)
-        except (
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            ConnectionError,
-            OSError,
-            ValueError,
-        ) as exc:
-            self.close()
-            if self._expired:
-                self._expired = False  # reported once; later reads see the end
-                raise TimeoutError("the worker's answer outlived the deadline") from None
-            raise UpstreamError("dropped", f"the worker's body was cut short: {exc!r}") from None
-
-    def _expire(self) -> None:
-        """The deadline passed: cut the connection; the pending read turns into a timeout.
-        One timer per response is far cheaper than a timeout context per read."""
-        self._expired = True
-        self.close()
-
-    async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
-        """The next data of a chunked body: all that is decodable now, at least one byte,
-        or ``b""`` at the end. Frames are decoded from our own buffer, so one network read
-        carrying several chunks costs one call."""
-        out = bytearray()
         while True:
-            self._decode(out)
-            if out or self._done:
-                return bytes(out)
-            data = await reader.read(_READ_SIZE)
-            if not data:
-                raise asyncio.IncompleteReadError(b"", None)
-            self._buf += data
-
-    def _decode(self, out: bytearray) -> None:
-        buf = self._buf
-        while buf:
-            state = self._state
-            if state == _DATA:
-                take = min(self._chunk_left, len(buf))
-                out += buf[:take]
-                del buf[:take]
-                self._chunk_left -= take
-                if self._chunk_left:
-                    return
-                self._state = _DATA_END
-            elif state == _DATA_END:
-                if len(buf) < 2:
-                    return
-                del buf[:2]
-                self._state = _SIZE
-            else:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > _MAX_LINE:
-                        raise ValueError("chunk size line too long")
-                    return
-                line = bytes(buf[:end])
-                del buf[: end + 2]
-                if state == _TRAILER:
-                    if not line:
-                        self._finish()
-                        return
-                    continue  # a trailer field: ignored
-                size = int(line.split(b";", 1)[0].strip(), 16)
-                if size == 0:
-                    self._state = _TRAILER
-                else:
-                    self._chunk_left, self._state = size, _DATA
+            if self._chunks:
+                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+                self._chunks.clear()
+                self._buffered = 0
+                if self._paused:
+                    self._paused = False
+                    self._last_data = self._loop.time()
+                    if self._conn is not None and self._conn.transport is not None:
+                        self._conn.transport.resume_reading()
+                return data
+            error = self._error
+            if error is not None:
+                self._error = None  # reported once; later reads see the end
+                self._complete = True
+                raise error
+            if self._complete:
+                return b""
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            except BaseException:
+                self._waiter = None
+                raise

@@ -68,7 +68,9 @@ class LoadPoller:
 
     async def _read(self, worker: Worker, path: str) -> EngineLoad | object | None:
         try:
-            async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
+            async with self._session.get(
+                worker.url + path, timeout=self._timeout, allow_redirects=False
+            ) as resp:
                 if resp.status != 200:
                     return None
                 raw = await resp.read()

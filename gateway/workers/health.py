@@ -75,7 +75,9 @@ class HealthChecker:
         """(passed, the answer's ``Server`` header: "" if absent, None if no answer)."""
         path = kind_named(worker.kind).health_path(self._config.endpoint)
         try:
-            async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
+            async with self._session.get(
+                worker.url + path, timeout=self._timeout, allow_redirects=False
+            ) as resp:
                 await resp.read()
                 return resp.status == 200, resp.headers.get("Server", "")
         except (aiohttp.ClientError, TimeoutError, OSError):
@@ -141,7 +143,9 @@ class HealthChecker:
         with contextlib.suppress(
             aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError
         ):
-            async with self._session.get(worker.url + path, timeout=self._timeout) as resp:
+            async with self._session.get(
+                worker.url + path, timeout=self._timeout, allow_redirects=False
+            ) as resp:
                 if resp.status == 200:
                     body: object = orjson.loads(await resp.read())
                     return body

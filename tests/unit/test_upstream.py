@@ -139,6 +139,7 @@ async def test_stale_idle_connection_is_replaced(serve: Any) -> None:
         for _ in range(3):
             resp = await pool.request(worker.url, "/", [], b"{}", _deadline())
             assert await resp.read() == b"ok"
+            await asyncio.sleep(0.05)  # the worker's close arrives while idle: not reused
         assert worker.connections == 3
     finally:
         await pool.close()
