@@ -260,6 +260,9 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
         max_idle_per_worker=config.server.connections_per_worker,
         first_byte_timeout_s=config.server.first_byte_timeout_s,
         read_idle_timeout_s=config.server.stream_idle_timeout_s,
+        client_write_timeout_s=config.server.client_write_timeout_s,
+        max_body_bytes=config.server.max_response_size,
+        max_event_bytes=config.server.max_event_size,
     )
     health = HealthChecker(config.health, registry, session)
     load = LoadPoller(config.load, registry, session, config.health.timeout_s)

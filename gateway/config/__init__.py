@@ -114,6 +114,14 @@ class ServerConfig:
     # Longest silence in a worker's body (between streamed chunks, or before the first
     # event once the head came): the stream ends with a 504 error event. 0: none.
     stream_idle_timeout_s: float = 120.0
+    # A client that takes no byte of a streamed write for this is gone: the stream ends,
+    # the worker is told to abort (slow readers must not hold a worker's slot). 0: none.
+    client_write_timeout_s: float = 60.0
+    # Largest non-streamed worker answer read whole (relayed as one body); larger: 502.
+    max_response_size: int = 256 * 1024 * 1024
+    # Largest single SSE event held while its end is awaited (SGLang's /generate text is
+    # cumulative); larger ends the stream with a 502 error event.
+    max_event_size: int = 8 * 1024 * 1024
     # On SIGTERM: stop accepting, let in-flight requests finish within this, then exit 0.
     shutdown_grace_s: float = 30.0
 
@@ -407,6 +415,11 @@ def _validate_server(s: ServerConfig) -> None:
     _check(1 <= s.port <= 65535, "server.port", "must be in 1..65535", s.port)
     _check(bool(s.host), "server.host", "must not be empty", s.host)
     _check(s.max_payload_size > 0, "server.max_payload_size", "must be > 0", s.max_payload_size)
+    for key, size in (
+        ("server.max_response_size", s.max_response_size),
+        ("server.max_event_size", s.max_event_size),
+    ):
+        _check(size >= 1024, key, "must be ≥ 1024", size)
     _check(
         s.log_level.lower() in LOG_LEVELS,
         "server.log_level",
@@ -540,6 +553,7 @@ def _validate_security(s: ServerConfig) -> None:
         ("server.header_timeout_s", s.header_timeout_s),
         ("server.first_byte_timeout_s", s.first_byte_timeout_s),
         ("server.stream_idle_timeout_s", s.stream_idle_timeout_s),
+        ("server.client_write_timeout_s", s.client_write_timeout_s),
         ("server.max_connections", s.max_connections),
     ):
         _check(value >= 0, key, "must be ≥ 0 (0: off)", value)

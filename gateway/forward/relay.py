@@ -25,7 +25,7 @@ Contract:
   * Anything else is read whole (at most the pool's ``max_body_bytes``: beyond, the
     attempt failed, ``dropped``) and relayed as is (status, body, content type).
 - Client disconnect (write fails, or the handler is cancelled), or a client that takes
-  no byte of a write for the pool's ``read_idle_timeout_s``: the upstream connection is
+  no byte of a write for the pool's ``client_write_timeout_s``: the upstream connection is
   closed and ``/abort_request`` is sent to the worker in the background; the caller's
   lease is released by the caller's ``finally``. A stream cut by its deadline while the
   client, not the worker, held it back is not the worker's failure

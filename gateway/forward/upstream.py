@@ -172,10 +172,11 @@ class UpstreamPool:
         *,
         first_byte_timeout_s: float = 0.0,
         read_idle_timeout_s: float = 0.0,
+        client_write_timeout_s: float = 0.0,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
-        self.limits = Limits(max_body_bytes, max_event_bytes, read_idle_timeout_s)
+        self.limits = Limits(max_body_bytes, max_event_bytes, client_write_timeout_s)
         self._connect_timeout = connect_timeout_s
         self._first_byte = first_byte_timeout_s
         self._read_idle = read_idle_timeout_s
