@@ -1,6 +1,6 @@
 """Deterministic workload generators and trace readers.
 
-``create_workload(name, ["k=v", ...])`` builds any of them; see ``registry.py``.
+``create_workload(name, ["k=v", ...])`` builds any of them; see ``catalog.py``.
 """
 
 from loadtests.workloads.base import ChatMessage, TracePrompt, Workload, WorkloadRequest
