@@ -172,11 +172,6 @@ def _client_main(argv: Sequence[str]) -> int:
 # --- the orchestrator ------------------------------------------------------------------
 
 
-# loadtests.micro.gateway_cpu imports these two names from here.
-_free_ports = free_ports
-_consecutive_free = free_port_range
-
-
 def _process(cmd: list[str], log: Path) -> contextlib.AbstractContextManager[Any]:
     """``cmd`` in its own session, output to ``log``; its group stopped by PID on exit."""
     return running(cmd, log=log, grace_s=10.0, group=True)

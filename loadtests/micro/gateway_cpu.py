@@ -27,9 +27,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -37,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtests.harness.ports import free_port_range, free_ports
+from loadtests.harness.procs import cpu_seconds, running
 from loadtests.micro.gateway import (
     CHAT_PATH,
-    _consecutive_free,
-    _free_ports,
     _gateway_cmd,
     _ready,
     _router_cmd,
@@ -62,45 +60,24 @@ class Cell:
     requests: int = 0
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (Linux ``/proc``; every proxy measured here is
-    one process: the gateway serves on one event loop, sglang-router on threads)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-
-
 @contextlib.contextmanager
 def _process(cmd: list[str], log: Path, cwd: Path | None = None) -> Iterator[int]:
     """Run ``cmd`` (in ``cwd``: ``python -m`` imports that tree's packages first) and
     yield its PID; stopped by its process group."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
-        )
-        try:
-            yield proc.pid
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    with running(cmd, log=log, grace_s=10.0, group=True, cwd=cwd) as proc:
+        yield proc.pid
 
 
 def _measure(
     pid: int, url: str, stream: bool, args: argparse.Namespace
 ) -> tuple[float, dict[str, Any]]:
-    before = _cpu_s(pid)
+    # every proxy measured here is one process: the gateway serves on one event loop,
+    # sglang-router on threads
+    before = cpu_seconds(pid)
     result = _run_client(
         [url + CHAT_PATH], stream=stream, concurrency=args.concurrency, duration=args.duration
     )
-    used = _cpu_s(pid) - before
+    used = cpu_seconds(pid) - before
     return used * 1e6 / max(1, result["requests"]), result
 
 
@@ -134,14 +111,14 @@ def _ratios(cells: dict[tuple[str, str], Cell], paths: Sequence[str]) -> list[st
 def run(args: argparse.Namespace) -> str:
     logs = Path(tempfile.mkdtemp(prefix="gateway_cpu_"))
     model_dir = tempfile.mkdtemp(prefix="sim_model_")
-    base_port = _consecutive_free(args.workers)
+    base_port = free_port_range(args.workers)
     urls = [f"http://127.0.0.1:{base_port + i}" for i in range(args.workers)]
     trees: dict[str, Path] = {}
     for spec in args.gateway or ["this tree=."]:
         label, _, tree = spec.partition("=")
         trees[label] = Path(tree).resolve()
     router = not args.no_router and importlib.util.find_spec("sglang_router") is not None
-    ports = _free_ports(len(trees) + 1)
+    ports = free_ports(len(trees) + 1)
     targets: dict[str, tuple[str, int]] = {}
     with contextlib.ExitStack() as stack:
         sim_tree = Path(args.simulator_from).resolve() if args.simulator_from else Path.cwd()
