@@ -41,6 +41,7 @@ from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import RequestSettings
 from gateway.routing.router import Forwarding, Router
 from gateway.routing.slot_gate import SlotGate
+from gateway.routing.tokens import TokenAccounting
 from gateway.tasks import TaskSet
 from gateway.telemetry.hub import Telemetry, TelemetryConfig
 from gateway.telemetry.tracing import TracingConfig
@@ -170,11 +171,11 @@ class _Routing:
     index: PrefixIndex
     costs: CostModel
     slots: SlotGate
-    block_tokens: float  # estimated tokens per hashed block
+    tokens: TokenAccounting
 
 
 def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
-    block_tokens = config.request.block_chars / config.request.chars_per_token
+    block_tokens = config.request.block_chars / config.request.chars_per_token  # the prior
     index = PrefixIndex(
         block_tokens=block_tokens,
         max_blocks_per_worker=max(
@@ -187,10 +188,15 @@ def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
     def seconds_per_block(worker_id: str) -> float | None:
         if not costs.calibrated(worker_id):
             return None
-        return (costs.cost(worker_id).prefill_per_token_s or 0.0) * block_tokens
+        return (costs.cost(worker_id).prefill_per_token_s or 0.0) * index.block_tokens(worker_id)
 
     slots = SlotGate(index, config.prefix_index.slot_wait_s, seconds_per_block=seconds_per_block)
-    return _Routing(index, costs, slots, block_tokens)
+    tokens = TokenAccounting(
+        config.request.chars_per_token,
+        config.request.block_chars,
+        on_worker_ratio=index.set_block_tokens,
+    )
+    return _Routing(index, costs, slots, tokens)
 
 
 def _follow_membership(
@@ -208,12 +214,10 @@ def _follow_membership(
         meta = worker.metadata
         if meta.capacity_tokens or meta.max_sequences:
             # a sequence bound alone (no context size told) leaves the block bound as is
-            tokens = meta.capacity_tokens or int(
-                index.capacity_blocks(worker.id) * routing.block_tokens
-            )
-            index.set_capacity(worker.id, tokens, meta.max_sequences)
+            index.set_capacity(worker.id, meta.capacity_tokens or None, meta.max_sequences)
 
     def forget(worker: Worker) -> None:
+        routing.tokens.forget_worker(worker.id)
         routing.slots.forget_worker(worker.id)
         index.forget_worker(worker.id)
         routing.costs.forget_worker(worker.id)
@@ -291,7 +295,9 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     app[app_keys.ROUTER] = Router(
         config=config,
         registry=registry,
-        core=RoutingCore(policy, index if shared is None else shared.index, routing.costs, rng),
+        core=RoutingCore(
+            policy, index if shared is None else shared.index, routing.costs, rng, routing.tokens
+        ),
         outlier=outlier,
         forwarding=Forwarding(pool, session, app[app_keys.TASKS].spawn, credentials),
         decisions=app[app_keys.DECISIONS],

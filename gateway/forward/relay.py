@@ -64,6 +64,8 @@ _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
 # usage / meta_info "cached_tokens"; llama.cpp's timings "cache_n" (the same number)
 _CACHED = re.compile(rb'"(?:cached_tokens|cache_n)"\s*:\s*(\d+)')
 _CACHED_MARKS = (b'"cached_tokens"', b'"cache_n"')
+# usage "prompt_tokens": the engine's count, from which routing learns its token ratio
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _BAD_VALUE = re.compile(r"[\r\n\x00]")
 
 
@@ -93,6 +95,7 @@ class Outcome:
     status: int = 0
     ttft_s: float | None = None
     cached_tokens: int | None = None  # as the worker reported it
+    prompt_tokens: int | None = None  # the worker's usage.prompt_tokens, if reported
     failed_mid_stream: bool = False
     client_gone: bool = False
 
@@ -144,6 +147,12 @@ def cached_tokens(data: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
+def prompt_tokens(data: bytes) -> int | None:
+    """The last ``"prompt_tokens": N`` in ``data`` (``usage``), or None."""
+    found = _PROMPT.findall(data)
+    return int(found[-1]) if found else None
+
+
 def _response_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     listed = connection_listed(upstream.headers)
@@ -191,7 +200,8 @@ async def relay(
     response = web.Response(
         status=status, body=body, headers=_response_headers(upstream, extra_headers)
     )
-    return response, Outcome(status=status, cached_tokens=cached_tokens(body))
+    outcome = Outcome(status, cached_tokens=cached_tokens(body), prompt_tokens=prompt_tokens(body))
+    return response, outcome
 
 
 async def _read_body(upstream: UpstreamResponse, limit: int) -> bytes:
@@ -263,7 +273,7 @@ async def _relay_sse(
     framer = EventFramer(limits.max_event_bytes)
     watch = _WriteWatch(request, limits.client_stall_s)
     loop = asyncio.get_running_loop()
-    last_usage = b""
+    last_usage = last_prompt = b""
     try:
         try:
             while chunk:
@@ -271,6 +281,8 @@ async def _relay_sse(
                 if events:
                     if any(mark in events for mark in _CACHED_MARKS):
                         last_usage = events
+                    if b'"prompt_tokens"' in events:
+                        last_prompt = events
                     await _write(response, events, watch, loop)
                 chunk = await upstream.readany()
             events = framer.end()  # the body ended cleanly: a last unterminated event
@@ -296,6 +308,7 @@ async def _relay_sse(
     finally:
         watch.stop()
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
+    outcome.prompt_tokens = prompt_tokens(last_prompt) if last_prompt else None
     await _client_write(response, response.write_eof())
     return response, outcome
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from gateway.routing.lease import Lease
 from gateway.routing.request import ApiKind, RouteRequest
+from gateway.routing.tokens import TokenAccounting
 from gateway.workers.registry import Worker
 from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
 
@@ -94,12 +95,23 @@ class RoutingCore:
     """The decision phases over one policy, prefix index and cost model."""
 
     def __init__(
-        self, policy: Policy, index: PrefixMatcher, costs: CostSource, rng: random.Random
+        self,
+        policy: Policy,
+        index: PrefixMatcher,
+        costs: CostSource,
+        rng: random.Random,
+        tokens: TokenAccounting | None = None,
     ) -> None:
         self.policy = policy
         self.index = index
         self.costs = costs
         self.rng = rng
+        self.tokens = tokens
+
+    def estimate(self, req: RouteRequest) -> None:
+        """Size the prompt in its model's tokens, as learnt from the workers' answers."""
+        if self.tokens is not None:
+            self.tokens.estimate(req)
 
     def uses_index(self, req: RouteRequest) -> bool:
         """Whether this request is matched against and recorded in the prefix index."""
@@ -178,6 +190,8 @@ class RoutingCore:
         """Learn from a complete response: index correction, exact-mode fidelity, cost."""
         wid = choice.worker.id
         reported = outcome.cached_tokens
+        if self.tokens is not None and outcome.status == 200:
+            self.tokens.observe(wid, req, outcome.prompt_tokens)
         if self.uses_index(req):
             if reported is not None:
                 self.index.correct(wid, req.block_hashes, choice.predicted_blocks, reported, now)
@@ -201,3 +215,5 @@ class ResponseOutcome(Protocol):
     def ttft_s(self) -> float | None: ...
     @property
     def cached_tokens(self) -> int | None: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...

@@ -10,7 +10,9 @@ Blocks are chained hashes (``gateway.routing.hashing``): a hit on block ``i`` im
 Memory is bounded whatever the traffic: every block entry belongs to some worker's LRU,
 and each LRU is trimmed to its capacity on every ``record``. Capacity per worker:
 ``ceil(max_total_num_tokens / block_tokens)`` blocks (``set_capacity``), else
-``default_capacity_blocks``; both capped by ``max_blocks_per_worker``. Measured cost per
+``default_capacity_blocks``; both capped by ``max_blocks_per_worker``. ``block_tokens`` is
+per worker: the engine tokens a block of the gateway's characters holds there, learnt
+from the worker's answers (``set_block_tokens``, from ``gateway.routing.tokens``). Measured cost per
 indexed block is in BENCHMARKS.md ("Prefix index cost"); ``IndexStats.approx_bytes`` uses
 that figure.
 
@@ -127,6 +129,8 @@ class IndexStats:
 class _WorkerBlocks:
     bit: int
     capacity: int  # blocks
+    block_tokens: float  # the worker's engine tokens per block (``set_block_tokens``)
+    capacity_tokens: int | None = None  # as the worker told (``set_capacity``)
     lru: OrderedDict[int, float] = field(default_factory=OrderedDict)
     # first newly inserted block of each recent recording -> time (see ``correct``)
     fresh: OrderedDict[int, float] = field(default_factory=OrderedDict)
@@ -179,19 +183,21 @@ class PrefixIndex:
     # --- configuration ---------------------------------------------------------------
 
     def set_capacity(
-        self, worker_id: str, capacity_tokens: int, max_sequences: int | None = None
+        self, worker_id: str, capacity_tokens: int | None, max_sequences: int | None = None
     ) -> None:
         """Bound the worker's LRU from its ``max_total_num_tokens``.
 
         blocks = ceil(capacity_tokens / block_tokens): e.g. 420,000 tokens / 16 = 26,250
-        blocks; capped by ``max_blocks_per_worker``. Shrinking evicts at once.
+        blocks; capped by ``max_blocks_per_worker``. Shrinking evicts at once. None keeps
+        the bound in blocks as it is (a worker that told only a sequence bound).
         ``max_sequences`` (> 0) also bounds it by chains (see "Sequence bound"); setting it
         on a worker whose blocks were recorded without the bound forgets those blocks (no
         chain is known for them), and None removes the bound.
         """
         state = self._state(worker_id)
-        state.capacity = self._cap(max(1, math.ceil(capacity_tokens / self._block_tokens)))
-        self._evict_over_capacity(state)
+        if capacity_tokens is not None:
+            state.capacity_tokens = capacity_tokens
+            self._resize(state)
         if max_sequences is not None and max_sequences <= 0:
             raise ValueError("max_sequences must be positive")
         if max_sequences is not None and state.max_sequences is None:
@@ -210,6 +216,28 @@ class PrefixIndex:
         while max_sequences is not None and len(state.sequences) > max_sequences:
             self._drop_sequence(state, next(iter(state.sequences)))
 
+    def set_block_tokens(self, worker_id: str, block_tokens: float) -> None:
+        """The worker's engine tokens per block, as learnt from its answers
+        (``routing.tokens``): its capacity in blocks and the corrections from its
+        ``cached_tokens`` follow. Shrinking evicts at once."""
+        if block_tokens <= 0:
+            raise ValueError("block_tokens must be positive")
+        state = self._state(worker_id)
+        state.block_tokens = block_tokens
+        if state.capacity_tokens is not None:
+            self._resize(state)
+
+    def _resize(self, state: _WorkerBlocks) -> None:
+        assert state.capacity_tokens is not None
+        blocks = math.ceil(state.capacity_tokens / state.block_tokens)
+        state.capacity = self._cap(max(1, blocks))
+        self._evict_over_capacity(state)
+
+    def block_tokens(self, worker_id: str) -> float:
+        """The worker's engine tokens per block (the index's default until told)."""
+        state = self._workers.get(worker_id)
+        return state.block_tokens if state is not None else self._block_tokens
+
     def _cap(self, blocks: int) -> int:
         return blocks if self._max_blocks is None else min(blocks, self._max_blocks)
 
@@ -220,7 +248,7 @@ class PrefixIndex:
                 bit = self._free_bits.pop()
             else:
                 bit, self._next_bit = self._next_bit, self._next_bit << 1
-            state = _WorkerBlocks(bit, self._cap(self._default_capacity))
+            state = _WorkerBlocks(bit, self._cap(self._default_capacity), self._block_tokens)
             self._workers[worker_id] = state
             self._names[bit] = worker_id
         return state
@@ -437,10 +465,10 @@ class PrefixIndex:
             return
         predicted_blocks = max(0, min(predicted_blocks, len(block_hashes)))
         reported_tokens = max(0, reported_tokens)
-        state.predicted_tokens += int(predicted_blocks * self._block_tokens)
+        state.predicted_tokens += int(predicted_blocks * state.block_tokens)
         state.reported_tokens += reported_tokens
         if state.max_sequences is not None:
-            real_blocks = reported_tokens / self._block_tokens * (1.0 + self._tolerance)
+            real_blocks = reported_tokens / state.block_tokens * (1.0 + self._tolerance)
             if block_hashes and int(real_blocks) < predicted_blocks:
                 self._slot_taken(state, block_hashes[-1], state.max_sequences)
             return  # it holds this prompt now (see "Sequence bound")
@@ -448,7 +476,7 @@ class PrefixIndex:
         seqs = state.inflight_by_leaf.get(block_hashes[-1]) if block_hashes else None
         if seqs:  # the response is complete: the engine unlocks (and touches) its path
             self._release(state, seqs[0], t)
-        real = reported_tokens / self._block_tokens
+        real = reported_tokens / state.block_tokens
         keep = int(real * (1.0 + self._tolerance))
         if keep >= predicted_blocks:
             return

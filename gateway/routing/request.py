@@ -16,7 +16,9 @@ Contract:
     ``prompt_tokens`` is exact;
   - embeddings are routed by load: counted, not hashed.
 - "Characters" are bytes of the UTF-8 encoding (identical for ASCII). Prompt tokens are
-  estimated as ``ceil(chars / chars_per_token)`` until a worker tells better.
+  estimated here as ``ceil(chars / chars_per_token)`` with the configured prior; the
+  routing core re-sizes them with the ratio learnt from the workers' answers
+  (``routing.tokens``). Token-id prompts are exact (``tokens_exact``).
 - The hash chain is seeded with the model and the cache namespace (``cache_salt``,
   ``extra_key``, ``lora_path``), since a worker never shares cache across them.
 - The prompt text is never logged or stored: only its hashes and lengths leave here.
@@ -90,6 +92,7 @@ class RouteRequest:
     body: bytes  # the original bytes, untouched
     block_chars: int = 64  # block size the hashes were cut with
     rid_in_body: bool = False  # the body has a non-null rid (string, or a list for batches)
+    tokens_exact: bool = False  # the prompt is token ids: prompt_tokens is exact
 
     def body_with_rid(self, rid: str) -> bytes:
         """The original bytes with ``"rid"`` inserted as the object's last member.
@@ -121,6 +124,7 @@ class _Prompt:
     chars: int = 0
     tokens: int = 0
     extra: list[str] = field(default_factory=list)  # namespace parts found in the body
+    exact: bool = False  # token ids: ``tokens`` is the count, not an estimate
 
 
 def parse_request(
@@ -151,6 +155,7 @@ def parse_request(
         body=body,
         block_chars=settings.block_chars,
         rid_in_body=rid_value is not None,
+        tokens_exact=prompt.exact,
     )
 
 
@@ -255,7 +260,7 @@ def _ids_prompt(ids: list[Any], param: str) -> _Prompt:
             400, f"'{param}' must be a list of non-negative integer token ids", param=param
         ) from None
     data = packed.tobytes()
-    return _Prompt(data, len(ids) * _TOKEN_ID_BYTES, len(ids))
+    return _Prompt(data, len(ids) * _TOKEN_ID_BYTES, len(ids), exact=True)
 
 
 def _prompt_value(value: Any, param: str, settings: RequestSettings, allow_text: bool) -> _Prompt:
@@ -280,7 +285,8 @@ def _prompt_value(value: Any, param: str, settings: RequestSettings, allow_text:
         parts = [_ids_prompt(v, param) for v in value]
     else:
         raise bad
-    return _Prompt(parts[0].data, sum(p.chars for p in parts), sum(p.tokens for p in parts))
+    chars, tokens = sum(p.chars for p in parts), sum(p.tokens for p in parts)
+    return _Prompt(parts[0].data, chars, tokens, exact=all(p.exact for p in parts))
 
 
 def _prompt_shape_message(param: str, allow_text: bool) -> str:

@@ -158,6 +158,7 @@ class Router:
         self, request: web.Request, req: RouteRequest, request_id: str
     ) -> web.StreamResponse:
         """Route, forward and relay one parsed request; raises GatewayError on failure."""
+        self.core.estimate(req)
         call = _Call(request, req, request_id, time.perf_counter(), self._prepare_exact(req))
         excluded: list[str] = []
         failure: relay.AttemptFailed | None = None

@@ -33,6 +33,7 @@ from gateway.routing.decide import Choice, RoutingCore
 from gateway.routing.lease import Lease
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import RouteRequest
+from gateway.routing.tokens import TokenAccounting
 from gateway.workers.registry import Worker
 from loadtests.replay.metrics import BusyInterval, RequestRecord
 from loadtests.replay.workers import SimOutput, SimWorker
@@ -74,6 +75,7 @@ class _Outcome:
 
     ttft_s: float | None
     cached_tokens: int | None
+    prompt_tokens: int | None
     status: int = 200
 
 
@@ -121,7 +123,9 @@ class Simulation:
             self.index.set_capacity(w.id, capacity_tokens)
         self.prepare = prepare
         self.rng = random.Random(seed)
-        self.core = RoutingCore(policy, self.index, self.costs, self.rng)
+        # characters per token learnt from the workers' prompt_tokens, as live
+        self.tokens = TokenAccounting(on_worker_ratio=self.index.set_block_tokens)
+        self.core = RoutingCore(policy, self.index, self.costs, self.rng, self.tokens)
         self.timeline = _Timeline(timeline_every_s)
         self._events: list[tuple[float, int, int]] = []  # (time, seq, worker index)
         self._pending: dict[int, tuple[float, list[SimOutput]]] = {}
@@ -192,6 +196,7 @@ class Simulation:
         self._poll_loads(now)
         prepared = self.prepare(req)
         route = prepared.route
+        self.core.estimate(route)
         choice = self.core.choose(route, self.gw, now)
         k = self.gw.index(choice.worker)
         lease = self.core.dispatch(route, choice, now)
@@ -227,6 +232,6 @@ class Simulation:
             rec.finish_s = now
             live.lease.release()
             ttft = None if rec.first_token_s is None else rec.first_token_s - rec.arrival_s
-            outcome = _Outcome(ttft, rec.cached_tokens)
+            outcome = _Outcome(ttft, rec.cached_tokens, rec.prompt_tokens)
             self.core.feedback(live.route, live.choice, live.lease, outcome, now)
             del self._live[out.rid]
