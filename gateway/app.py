@@ -281,6 +281,7 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
             admission=app[app_keys.ADMISSION],
             policy=policy.name,
             modes=exact,
+            tokens=routing.tokens,
         )
     )
     outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))

@@ -157,8 +157,9 @@ class PrefixIndexConfig:
 
 @dataclass(frozen=True, slots=True)
 class RequestConfig:
-    # Prompt length in tokens is estimated from characters until a worker reports better;
-    # 4 characters per token is typical of English text with BPE tokenizers.
+    # The prior of characters per token, until the workers' usage.prompt_tokens teach the
+    # real ratio per model and per worker (gateway.routing.tokens); 4 is typical of
+    # English text with large BPE vocabularies (small or domain ones are denser).
     chars_per_token: float = 4.0
     # Prefix blocks of 64 characters, about 16 tokens: fine enough for chat turns,
     # coarse enough that a 512k-character prompt hashes in well under 2 ms.

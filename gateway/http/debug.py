@@ -80,6 +80,7 @@ def _index_doc(w: WorkerSnapshot, ws: WorkerStats | None) -> dict[str, Any]:
             index_predicted_tokens=idx.predicted_tokens,
             index_reported_tokens=idx.reported_tokens,
             fidelity=_ratio(idx.reported_tokens, idx.predicted_tokens),
+            chars_per_token=idx.chars_per_token,
         )
     doc.update(_hit_rates(ws))
     return doc
@@ -141,7 +142,8 @@ def add_telemetry_routes(
     async def index(_: web.Request) -> web.Response:
         stats = telemetry.worker_stats()
         snap = telemetry.snapshot()
-        return _json({"workers": [_index_doc(w, stats.get(w.worker)) for w in snap.workers]})
+        workers = [_index_doc(w, stats.get(w.worker)) for w in snap.workers]
+        return _json({"workers": workers, "chars_per_token": dict(snap.chars_per_token)})
 
     async def dashboard(_: web.Request) -> web.Response:
         return web.Response(

@@ -150,6 +150,13 @@ class ModeSource(Protocol):
     def mode(self, worker_id: str) -> str: ...
 
 
+class TokenRatioSource(Protocol):
+    """Characters per token learnt from the workers (``gateway.routing.tokens``)."""
+
+    def worker_chars_per_token(self, worker_id: str) -> float: ...
+    def model_ratios(self) -> dict[str, float]: ...
+
+
 MODE_APPROXIMATE = "approximate"  # every worker's mode when exact mode is off
 
 
@@ -164,20 +171,23 @@ class RegistrySnapshot:
         admission: Admission | None = None,
         policy: str | None = None,
         modes: ModeSource | None = None,
+        tokens: TokenRatioSource | None = None,
     ) -> None:
         self.registry = registry
         self.index = index
         self.admission = admission
         self.policy = policy
         self.modes = modes
+        self.tokens = tokens
 
     def _worker(self, w: Worker, now: float) -> WorkerSnapshot:
         load = w.engine_load
         figures = None
         if self.index is not None:
             st = self.index.stats(w.id)
+            cpt = None if self.tokens is None else self.tokens.worker_chars_per_token(w.id)
             figures = IndexFigures(
-                st.blocks, st.approx_bytes, st.predicted_tokens, st.reported_tokens
+                st.blocks, st.approx_bytes, st.predicted_tokens, st.reported_tokens, cpt
             )
         return WorkerSnapshot(
             worker=w.id,
@@ -209,6 +219,7 @@ class RegistrySnapshot:
         adm = self.admission
         return FleetSnapshot(
             workers=[self._worker(w, now) for w in self.registry],
+            chars_per_token={} if self.tokens is None else self.tokens.model_ratios(),
             policy=self.policy,
             admission_in_flight=None if adm is None else adm.active,
             admission_queued=None if adm is None else adm.waiting,

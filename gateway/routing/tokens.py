@@ -12,7 +12,9 @@ Contract:
 - :meth:`TokenAccounting.observe` takes one answered request: its canonical prompt's
   characters and the worker's ``prompt_tokens``. It updates two estimates of characters
   per token: one per model (the request's ``model``; requests naming none share one), which
-  sizes prompts before a worker is chosen (:meth:`estimate`), and one per worker, which
+  sizes prompts before a worker is chosen (:meth:`estimate`; a model not learnt yet takes
+  the estimate of requests naming none, else the prior; at most ``MAX_MODELS`` names are
+  kept, client-chosen as they are), and one per worker, which
   sizes that worker's prefix index (blocks of ``block_chars`` characters → tokens):
   when a worker's estimate moves by more than ``retune`` (10 %) from the value last handed
   out, ``on_worker_ratio(worker_id, tokens_per_block)`` is called, so its capacity in
@@ -45,6 +47,9 @@ MIN_CHARS_PER_TOKEN = 0.1
 MAX_CHARS_PER_TOKEN = 64.0
 _PRIOR_TOKENS = 64.0  # the prior counts as one prompt of this many tokens
 _ANY_MODEL = ""  # the key of requests that name no model
+# Model names come from clients: beyond this many, further names share the ``""``
+# estimate (memory and metric labels stay bounded whatever clients send).
+MAX_MODELS = 32
 
 
 @dataclass(slots=True)
@@ -94,7 +99,7 @@ class TokenAccounting:
         self._handed: dict[str, float] = {}  # worker -> chars per token last handed out
 
     def chars_per_token(self, model: str | None) -> float:
-        est = self._models.get(model or _ANY_MODEL)
+        est = self._models.get(model or _ANY_MODEL) or self._models.get(_ANY_MODEL)
         return self.prior if est is None else est.value
 
     def worker_chars_per_token(self, worker_id: str) -> float:
@@ -117,7 +122,10 @@ class TokenAccounting:
         chars = req.prompt_chars
         if chars <= 0 or not MIN_CHARS_PER_TOKEN <= chars / prompt_tokens <= MAX_CHARS_PER_TOKEN:
             return
-        for table, key in ((self._models, req.model or _ANY_MODEL), (self._workers, worker_id)):
+        model = req.model or _ANY_MODEL
+        if model not in self._models and len(self._models) >= MAX_MODELS:
+            model = _ANY_MODEL
+        for table, key in ((self._models, model), (self._workers, worker_id)):
             est = table.get(key)
             if est is None:
                 est = table[key] = CharsPerToken.prior(self.prior)

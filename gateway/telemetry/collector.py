@@ -60,6 +60,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "Cached tokens the prefix index predicted (its own count).",
             labels=_W,
         ),
+        "cpt": _gauge(
+            "gateway_worker_chars_per_token",
+            "Prompt characters per engine token, learnt from the worker's prompt_tokens.",
+        ),
         "idx_rep": CounterMetricFamily(
             "gateway_prefix_index_reported_cached_tokens",
             "Cached tokens workers reported, as the prefix index counted them.",
@@ -91,6 +95,8 @@ def _fill(fams: dict[str, GaugeMetricFamily | CounterMetricFamily], snap: FleetS
             fams["bytes"].add_metric(lv, w.index.approx_bytes)
             fams["idx_pred"].add_metric(lv, w.index.predicted_tokens)
             fams["idx_rep"].add_metric(lv, w.index.reported_tokens)
+            if w.index.chars_per_token is not None:
+                fams["cpt"].add_metric(lv, w.index.chars_per_token)
 
 
 def _mode_fidelity(snap: FleetSnapshot) -> Iterator[Metric]:

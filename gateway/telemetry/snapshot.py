@@ -32,6 +32,7 @@ class IndexFigures:
     approx_bytes: int = 0
     predicted_tokens: int = 0  # cached tokens the index predicted, cumulative
     reported_tokens: int = 0  # cached tokens the worker reported, cumulative
+    chars_per_token: float | None = None  # learnt from the worker's answers (routing.tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,8 @@ class FleetSnapshot:
     """All workers plus gateway-wide admission figures."""
 
     workers: Sequence[WorkerSnapshot] = ()
+    # characters per token learnt per model (``""``: requests naming none), routing.tokens
+    chars_per_token: Mapping[str, float] = field(default_factory=dict)
     policy: str | None = None
     admission_in_flight: int | None = None
     admission_queued: int | None = None

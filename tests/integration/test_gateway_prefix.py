@@ -62,3 +62,27 @@ async def test_engine_load_polled(fleet: SimulatedFleet) -> None:
         assert worker.engine_load is not None
         view = worker.view(gw.registry.clock())
         assert view.engine_load is not None and view.engine_load.age_s < 5.0
+
+
+async def test_chars_per_token_is_learnt_from_the_workers_answers(
+    fleet: SimulatedFleet, client: ClientSession
+) -> None:
+    """Every answer's usage.prompt_tokens teaches the ratio; /debug/index and /metrics
+    show it per model and per worker (gateway.routing.tokens)."""
+    async with run_gateway(fleet.urls, policy__name="cache_aware") as gw:
+        for i in range(3):
+            body = {**_chat(f"question {i}?"), "stream": i % 2 == 1}
+            if body["stream"]:
+                body["stream_options"] = {"include_usage": True}
+            async with client.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+        async with client.get(gw.url + "/debug/index") as resp:
+            doc = await resp.json()
+        async with client.get(gw.url + "/metrics") as resp:
+            metrics = await resp.text()
+    ratio = doc["chars_per_token"]["m"]
+    assert ratio != 4.0 and 1.0 < ratio < 8.0  # learnt (the prior is 4.0), and plausible
+    learnt = [w["chars_per_token"] for w in doc["workers"] if w["chars_per_token"] != 4.0]
+    assert learnt  # the workers that answered
+    assert "gateway_worker_chars_per_token{" in metrics
