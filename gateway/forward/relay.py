@@ -187,7 +187,7 @@ async def relay(
         raise AttemptFailed(
             "status", f"the worker answered {status}", status, body, dict(upstream.headers)
         )
-    if 300 <= status < 400:
+    if 300 <= status < 400 and status != 304:  # 304 Not Modified is no redirect
         upstream.close()
         raise AttemptFailed("connect", f"the worker answered a redirect ({status})")
     if stream and status == 200 and _media_type(upstream) == "text/event-stream":
@@ -247,7 +247,7 @@ class _WriteWatch:
             self._timer = None
             transport = self._request.transport
             if transport is not None:
-                transport.close()  # the pending write fails: the client is gone
+                transport.abort()  # not close(): that would wait for the unsent bytes
             return
         self._timer = self._loop.call_later(self._limit / 4, self._check)
 

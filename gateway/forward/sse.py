@@ -22,7 +22,9 @@ Contract:
 - ``done`` turns true once an event whose data is exactly ``[DONE]`` (OpenAI's and
   SGLang's end of stream) was returned.
 - At most ``max_event_bytes`` wait for an event's end; one byte more raises
-  :class:`EventTooLarge` and the held bytes are released (nothing beyond the bound).
+  :class:`EventTooLarge` and the held bytes are released (nothing beyond the bound). An
+  event over the bound that came whole in one piece is refused too: the events before
+  it are returned, the error is raised by the next call.
 - :func:`parse` interprets whole, LF-normalised events (fields ``data``, ``event``, ``id``,
   ``retry``; comments; a field name alone; one space after the colon removed; a leading
   BOM) into :class:`Event` values: used for ``[DONE]`` and by tests.
@@ -54,16 +56,19 @@ class Event:
 
 
 class EventFramer:
-    __slots__ = ("_after_cr", "_max", "_pending", "done")
+    __slots__ = ("_after_cr", "_max", "_pending", "_too_large", "done")
 
     def __init__(self, max_event_bytes: int) -> None:
         self._max = max_event_bytes
         self._pending = bytearray()
         self._after_cr = False  # the last piece ended in CR: a leading LF belongs to it
+        self._too_large: EventTooLarge | None = None  # raised at the next call
         self.done = False
 
     def feed(self, data: bytes) -> bytes:
         """The whole events ``data`` completes (LF line ends), or ``b""``."""
+        if self._too_large is not None:
+            raise self._too_large
         if self._after_cr:
             self._after_cr = False
             if data[:1] == b"\n":
@@ -87,6 +92,8 @@ class EventFramer:
 
     def end(self) -> bytes:
         """At the clean end of the body: the last event, terminated, if one is pending."""
+        if self._too_large is not None:
+            raise self._too_large
         pending, self._pending = self._pending, bytearray()
         if not pending.strip(b"\n"):
             return b""
@@ -99,8 +106,20 @@ class EventFramer:
             raise EventTooLarge(f"an event exceeds {self._max} bytes")
 
     def _emit(self, events: bytes) -> bytes:
+        if len(events) > self._max:  # whole events that came in one piece obey it too
+            events = self._within_bound(events)
         if not self.done and _DONE_MARK in events:
             self.done = any(e.data == "[DONE]" for e in parse(events))
+        return events
+
+    def _within_bound(self, events: bytes) -> bytes:
+        """The events before the first one over the bound; that one is reported at the
+        next call (so the client gets every event before it)."""
+        parts = events.split(_BLANK)
+        for index, part in enumerate(parts):
+            if len(part) > self._max:
+                self._too_large = EventTooLarge(f"an event exceeds {self._max} bytes")
+                return b"".join(p + _BLANK for p in parts[:index])
         return events
 
 
