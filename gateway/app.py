@@ -14,7 +14,7 @@ import asyncio
 import inspect
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,20 +23,22 @@ from aiohttp import web
 
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
 from gateway.config.allowlist import HostAllowList
+from gateway.config.policyspec import parse_policy_spec
 from gateway.config.workerspec import configured_kind, parse_worker_spec
 from gateway.exact.manager import KVEventsManager
 from gateway.exact.tokenizer import load_tokenizer
 from gateway.forward.credentials import worker_credentials, worker_key_exposed
 from gateway.forward.upstream import UpstreamPool
-from gateway.http import admin, app_keys, handlers
+from gateway.http import admin, app_keys, handlers, tuning
 from gateway.http.admission import Admission
 from gateway.http.debug import add_telemetry_routes
 from gateway.http.observe import RegistrySnapshot, TelemetryHooks, telemetry_middleware
 from gateway.http.openapi import add_openapi_route
 from gateway.peers.adapters import wire_shared_state
 from gateway.routing.cost_model import CostModel
-from gateway.routing.decide import RoutingCore
+from gateway.routing.decide import RoutingCore, TtftEstimate
 from gateway.routing.decisions import DecisionLog
+from gateway.routing.policy_set import PolicySet
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import RequestSettings
 from gateway.routing.router import Forwarding, Router
@@ -50,6 +52,7 @@ from gateway.workers.health import HealthChecker
 from gateway.workers.outlier import OutlierDetector
 from gateway.workers.registry import Worker, WorkerRegistry
 from policies.base import Policy
+from policies.min_ttft import MinTtftPolicy
 from policies.registry import POLICIES, create_policy
 
 # sglang-router's cache_aware flags, handed to any policy whose constructor takes them.
@@ -59,16 +62,51 @@ OUTLIER_SWEEP_S = 0.5  # how soon an expired ejection is lifted
 
 def make_policy(cfg: PolicyConfig) -> Policy:
     """The configured policy; ConfigError names the problem (unknown name, bad params)."""
-    cls = POLICIES.get(cfg.name)
+    return make_named_policy(cfg, cfg.name, cfg.params, "policy.params", "policy.name")
+
+
+def make_named_policy(
+    cfg: PolicyConfig, name: str, extra: Mapping[str, Any], where: str, name_key: str = ""
+) -> Policy:
+    """Policy ``name`` with the compatible flags of ``cfg`` and ``extra`` parameters;
+    ConfigError names ``name_key`` (else ``where``) for an unknown name, ``where`` for
+    parameters it refuses."""
+    cls = POLICIES.get(name)
     if cls is None:
-        raise ConfigError(f"policy.name: unknown policy {cfg.name!r}")
+        raise ConfigError(f"{name_key or where}: unknown policy {name!r}")
     accepted = inspect.signature(cls).parameters
     params: dict[str, Any] = {k: getattr(cfg, k) for k in _COMPAT_PARAMS if k in accepted}
-    params.update(cfg.params)
+    params.update(extra)
     try:
-        return create_policy(cfg.name, **params)
+        return create_policy(name, **params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def make_policy_set(cfg: PolicyConfig) -> PolicySet:
+    """The live policy, its shadows and its A/B arm; ConfigError names the problem."""
+    shadows = []
+    for i, spec in enumerate(cfg.shadows):
+        name, params = _spec(spec, f"policy.shadows[{i}]")
+        shadows.append(make_named_policy(cfg, name, params, f"policy.shadows[{i}]"))
+    ab = None
+    if cfg.ab_policy:
+        name, params = _spec(cfg.ab_policy, "policy.ab_policy")
+        ab = make_named_policy(cfg, name, params, "policy.ab_policy")
+    return PolicySet(make_policy(cfg), tuple(shadows), ab, cfg.ab_fraction if ab else 0.0)
+
+
+def _spec(spec: str, where: str) -> tuple[str, dict[str, Any]]:
+    try:
+        return parse_policy_spec(spec)
     except ValueError as exc:
-        raise ConfigError(f"policy.params: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def ttft_estimate() -> TtftEstimate:
+    """The yardstick shadow comparisons are read with: ``min_ttft``'s TTFT model."""
+    model = MinTtftPolicy()
+    return lambda view, prompt_tokens: model.estimate(view, prompt_tokens)[0]
 
 
 def build_app(
@@ -105,11 +143,14 @@ def build_app(
     app[app_keys.DECISIONS] = DecisionLog(config.decisions.ring_size)
     app[app_keys.TASKS] = TaskSet()
     app[app_keys.TELEMETRY] = telemetry
-    policy = make_policy(config.policy)
-    app.cleanup_ctx.append(lambda a: _runtime(a, policy, rng or random.Random(config.policy.seed)))
+    policies = make_policy_set(config.policy)
+    app[tuning.TUNING] = telemetry.tuning
+    seeded = rng or random.Random(config.policy.seed)
+    app.cleanup_ctx.append(lambda a: _runtime(a, policies, seeded))
     handlers.add_routes(app)
     admin.add_routes(app)
     app[admin.ALLOWLIST] = HostAllowList(config.server.worker_allowlist)
+    tuning.add_routes(app)
     add_openapi_route(app)
     add_telemetry_routes(app, telemetry=telemetry, decisions=app[app_keys.DECISIONS])
     return app
@@ -252,7 +293,9 @@ def _loops(
     return loops
 
 
-async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> AsyncIterator[None]:
+async def _runtime(
+    app: web.Application, policies: PolicySet, rng: random.Random
+) -> AsyncIterator[None]:
     config = app[app_keys.CONFIG]
     registry = app[app_keys.REGISTRY]
     telemetry = app[app_keys.TELEMETRY]
@@ -274,16 +317,15 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     exact = make_kv_events(config, registry, session)
     if exact is not None:
         await exact.start()
-    telemetry.use_snapshot(
-        RegistrySnapshot(
-            registry,
-            index=index,
-            admission=app[app_keys.ADMISSION],
-            policy=policy.name,
-            modes=exact,
-            tokens=routing.tokens,
-        )
+    snapshot = RegistrySnapshot(
+        registry,
+        index=index,
+        admission=app[app_keys.ADMISSION],
+        policy=policies.live.name,
+        modes=exact,
+        tokens=routing.tokens,
     )
+    telemetry.use_snapshot(snapshot)
     outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
     registry.on_removed(lambda w: telemetry.forget_worker(w.id))
     _follow_membership(routing, registry, health, load, lambda w: pool.forget(w.url))
@@ -293,12 +335,25 @@ async def _runtime(app: web.Application, policy: Policy, rng: random.Random) -> 
     credentials = worker_credentials(
         config.server, gateway_checks_keys=handlers.make_authenticator(config).enabled
     )
+    core = RoutingCore(
+        policies,
+        index if shared is None else shared.index,
+        routing.costs,
+        rng,
+        routing.tokens,
+        ttft_estimate(),
+    )
+
+    def changed(new: PolicySet) -> None:
+        snapshot.policy = new.live.name
+
+    app[tuning.POLICY_CONTROL] = tuning.PolicyControl(
+        config.policy, core, make_policy_set, telemetry.tuning, changed
+    )
     app[app_keys.ROUTER] = Router(
         config=config,
         registry=registry,
-        core=RoutingCore(
-            policy, index if shared is None else shared.index, routing.costs, rng, routing.tokens
-        ),
+        core=core,
         outlier=outlier,
         forwarding=Forwarding(pool, session, app[app_keys.TASKS].spawn, credentials),
         decisions=app[app_keys.DECISIONS],

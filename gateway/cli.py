@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import yaml
+from aiohttp import web
 
-from gateway.app import build_app, make_policy
+from gateway.app import build_app, make_policy_set
 from gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -27,6 +28,7 @@ from gateway.config import (
     merge,
     read_yaml,
 )
+from gateway.http import tuning
 from gateway.http.handlers import start_site
 from gateway.telemetry.logs import setup_logging
 
@@ -87,6 +89,23 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
             "help": "exact mode tokenizer, required with --kv-events true: hf:<dir> or "
             "python:<module>:<factory>"
         },
+    ),
+    "--shadow-policy": (
+        "policy.shadows",
+        {
+            "action": "append",
+            "metavar": "NAME[:K=V,...]",
+            "help": "score every request with this policy too, without routing by it "
+            "(repeatable; picks in the decision record and gateway_shadow_* metrics)",
+        },
+    ),
+    "--ab-policy": (
+        "policy.ab_policy",
+        {"metavar": "NAME[:K=V,...]", "help": "arm B of an A/B split (see --ab-fraction)"},
+    ),
+    "--ab-fraction": (
+        "policy.ab_fraction",
+        {"type": float, "help": "share of sessions routed by --ab-policy, 0..1 (0)"},
     ),
     "--api-key": ("server.api_key", {"help": "require Authorization: Bearer KEY"}),
     "--api-keys-file": ("server.api_keys_file", {"help": "more client keys, one a line"}),
@@ -250,7 +269,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         overrides["policy.params"] = _policy_params(policy_args)
     try:
         config = config_from_dict(merge(base, overrides))
-        make_policy(config.policy)  # refuse bad policy parameters before starting
+        make_policy_set(config.policy)  # refuse bad policy parameters before starting
         return config
     except ConfigError as exc:
         raise ConfigError(_name_flag(exc)) from None
@@ -271,9 +290,11 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Run the gateway until SIGINT or SIGTERM."""
-    runner, port = await start_site(build_app(config), config.server.host, config.server.port)
+async def serve(config: GatewayConfig, reread: Callable[[], GatewayConfig] | None = None) -> None:
+    """Run the gateway until SIGINT or SIGTERM; on SIGHUP, ``reread`` the file and flags
+    and apply their ``policy`` section (the rest is static: it needs a restart)."""
+    app = build_app(config)
+    runner, port = await start_site(app, config.server.host, config.server.port)
     log.info(
         "gateway listening on http://%s:%d with policy %s and %d workers",
         config.server.host,
@@ -286,10 +307,28 @@ async def serve(config: GatewayConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    if reread is not None:
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGHUP, _reload, app, reread)
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def _reload(app: web.Application, reread: Callable[[], GatewayConfig]) -> None:
+    """SIGHUP: the policy section of the re-read config, applied or refused with the
+    reason (logged and counted either way, the running policy kept on refusal)."""
+    control = app.get(tuning.POLICY_CONTROL)
+    if control is None:
+        return  # still starting: nothing routes yet
+    try:
+        config = reread()
+    except ConfigError as exc:
+        control.refused("SIGHUP", str(exc))
+        return
+    with contextlib.suppress(ConfigError):  # refused: logged and counted by the control
+        control.apply(config.policy, "SIGHUP")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -303,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.Runner(loop_factory=_loop_factory()) as runner,
         contextlib.suppress(KeyboardInterrupt),
     ):
-        runner.run(serve(config))
+        runner.run(serve(config, lambda: parse_config(argv)))
     return 0
 
 

@@ -28,6 +28,7 @@ import yaml
 
 from gateway.config.allowlist import DEFAULT_ALLOWED, parse_entries
 from gateway.config.keyfiles import read_key_file
+from gateway.config.policyspec import parse_policy_spec
 from gateway.config.workerspec import AUTO, KIND_NAMES, parse_worker_spec
 
 TOKENIZER_SCHEMES = ("hf:", "python:")  # kv_events.tokenizer (gateway.exact.tokenizer)
@@ -138,6 +139,15 @@ class PolicyConfig:
     params: Mapping[str, Any] = field(default_factory=dict)
     # Seed for the policies' rng; None draws one at start. Set it for reproducible runs.
     seed: int | None = None
+    # Shadow policies (`--shadow-policy NAME[:KEY=VALUE,...]`, repeatable): each scores
+    # every request on the same views without routing by it; their picks go into the
+    # decision record and the shadow metrics (agreement, matched tokens, estimated TTFT).
+    shadows: tuple[str, ...] = ()
+    # A/B split: sessions (a stable hash of the routing key, else of the prompt's first
+    # block) whose hash falls in `ab_fraction` are routed by `ab_policy` (arm B), the rest
+    # by `name` (arm A); per-arm figures with confidence intervals at /debug/ab.
+    ab_policy: str | None = None
+    ab_fraction: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +335,10 @@ def validate_worker_url(url: object) -> str:
         raise ValueError(f"worker URL {url!r} has an invalid host name") from None
     if parts.query or parts.fragment:
         raise ValueError(f"worker URL {url!r} must not carry a query or fragment")
+    if parts.username is not None or parts.password is not None:
+        # it would reach the Host header and every client's x-gateway-worker; workers
+        # take a key (server.worker_api_key), not credentials in the URL
+        raise ValueError("a worker URL must not carry credentials (user:password@)")
     return url.strip().rstrip("/")
 
 
@@ -594,6 +608,20 @@ def _validate_policy(p: PolicyConfig) -> None:
         "must be ≥ 1",
         p.balance_rel_threshold,
     )
+    for key, spec in [*((f"policy.shadows[{i}]", s) for i, s in enumerate(p.shadows)),
+                      *([("policy.ab_policy", p.ab_policy)] if p.ab_policy else [])]:  # fmt: skip
+        try:
+            name, _ = parse_policy_spec(spec)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+        _check(name in names, key, f"unknown policy; choose one of {', '.join(names)}", spec)
+    _check(0.0 <= p.ab_fraction <= 1.0, "policy.ab_fraction", "must be in 0..1", p.ab_fraction)
+    _check(
+        p.ab_fraction == 0.0 or p.ab_policy is not None,
+        "policy.ab_fraction",
+        "needs policy.ab_policy",
+        p.ab_fraction,
+    )
 
 
 def _validate_redis(r: RedisConfig) -> None:
@@ -678,6 +706,14 @@ def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
     """Build and validate a config from nested plain data (YAML, overrides merged)."""
     cfg: GatewayConfig = _build(GatewayConfig, data, "")
     validate(cfg)
+    return cfg
+
+
+def policy_config_from_dict(data: Mapping[str, Any]) -> PolicyConfig:
+    """Build and validate the ``policy`` section alone (a change at run time); unknown
+    keys are refused, as in the file."""
+    cfg: PolicyConfig = _build(PolicyConfig, data, "policy.")
+    _validate_policy(cfg)
     return cfg
 
 

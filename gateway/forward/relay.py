@@ -66,6 +66,7 @@ _CACHED = re.compile(rb'"(?:cached_tokens|cache_n)"\s*:\s*(\d+)')
 _CACHED_MARKS = (b'"cached_tokens"', b'"cache_n"')
 # usage "prompt_tokens": the engine's count, from which routing learns its token ratio
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_OUTPUT = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _BAD_VALUE = re.compile(r"[\r\n\x00]")
 
 
@@ -96,6 +97,7 @@ class Outcome:
     ttft_s: float | None = None
     cached_tokens: int | None = None  # as the worker reported it
     prompt_tokens: int | None = None  # the worker's usage.prompt_tokens, if reported
+    output_tokens: int | None = None  # the worker's usage.completion_tokens, if reported
     failed_mid_stream: bool = False
     client_gone: bool = False
 
@@ -153,6 +155,12 @@ def prompt_tokens(data: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
+def output_tokens(data: bytes) -> int | None:
+    """The last ``"completion_tokens": N`` in ``data`` (``usage``), or None."""
+    found = _OUTPUT.findall(data)
+    return int(found[-1]) if found else None
+
+
 def _response_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     listed = connection_listed(upstream.headers)
@@ -201,6 +209,7 @@ async def relay(
         status=status, body=body, headers=_response_headers(upstream, extra_headers)
     )
     outcome = Outcome(status, cached_tokens=cached_tokens(body), prompt_tokens=prompt_tokens(body))
+    outcome.output_tokens = output_tokens(body)
     return response, outcome
 
 
@@ -309,6 +318,7 @@ async def _relay_sse(
         watch.stop()
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
     outcome.prompt_tokens = prompt_tokens(last_prompt) if last_prompt else None
+    outcome.output_tokens = output_tokens(last_prompt) if last_prompt else None
     await _client_write(response, response.write_eof())
     return response, outcome
 

@@ -28,7 +28,7 @@ from gateway.forward.relay import ClientGone
 from gateway.http.admission import Admission
 from gateway.http.handlers import API_PATHS, REQUEST_ID
 from gateway.routing.decisions import DecisionOutcome, DecisionRecord
-from gateway.routing.request import ApiKind
+from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.router import RouterHooks
 from gateway.telemetry.hub import OTHER, RequestTelemetry, Telemetry, current_request
 from gateway.telemetry.snapshot import FleetSnapshot, IndexFigures, WorkerSnapshot
@@ -93,6 +93,11 @@ class TelemetryHooks(RouterHooks):
 
     def decided(self, record: DecisionRecord) -> None:
         self._request(record.request_id, record.model).decided(record)
+        self._t.tuning.decided(record)
+
+    def completed(self, req: RouteRequest, record: DecisionRecord) -> None:
+        self._t.tuning.finished(record)
+        self._t.tuning.trace.add(req, record)
 
     def attempt_failed(self, worker: Worker, kind: str, status: int) -> None:
         self._t.upstream_error(worker.id, upstream_error_kind(kind, status))

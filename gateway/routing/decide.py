@@ -29,11 +29,12 @@ per candidate beyond its view.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.routing.lease import Lease
+from gateway.routing.policy_set import PolicySet, ShadowPick
 from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.tokens import TokenAccounting
 from gateway.workers.registry import Worker
@@ -88,25 +89,44 @@ class Choice:
     views: list[WorkerView]
     predicted_blocks: int  # the approximate index's matched blocks on ``worker``
     matched_tokens: int  # this request's prefix believed cached on ``worker``
+    indexed: bool  # matched and recorded in the prefix index (decided once, at choice)
+    policy: Policy  # the policy that routed it (the live one, or arm B's)
+    arm: str | None = None  # A/B arm; None without a split
+    shadows: tuple[ShadowPick, ...] = ()
+    estimated_ttft_s: float | None = None  # of ``worker``, when shadows are compared
     index_mode: str | None = None  # exact mode's mode for ``worker``, set at dispatch
 
 
+TtftEstimate = Callable[[WorkerView, int], float]  # (view, prompt tokens) -> seconds
+
+
 class RoutingCore:
-    """The decision phases over one policy, prefix index and cost model."""
+    """The decision phases over a policy set, a prefix index and a cost model."""
 
     def __init__(
         self,
-        policy: Policy,
+        policy: Policy | PolicySet,
         index: PrefixMatcher,
         costs: CostSource,
         rng: random.Random,
         tokens: TokenAccounting | None = None,
+        ttft_estimate: TtftEstimate | None = None,
     ) -> None:
-        self.policy = policy
+        self.policies = policy if isinstance(policy, PolicySet) else PolicySet(policy)
         self.index = index
         self.costs = costs
         self.rng = rng
         self.tokens = tokens
+        self._ttft = ttft_estimate  # the common yardstick of shadow comparisons
+
+    @property
+    def policy(self) -> Policy:
+        """The live policy (arm A of a split)."""
+        return self.policies.live
+
+    def configure(self, policies: PolicySet) -> None:
+        """Swap the policy set; requests already decided finish under their own."""
+        self.policies = policies
 
     def estimate(self, req: RouteRequest) -> None:
         """Size the prompt in its model's tokens, as learnt from the workers' answers."""
@@ -114,8 +134,9 @@ class RoutingCore:
             self.tokens.estimate(req)
 
     def uses_index(self, req: RouteRequest) -> bool:
-        """Whether this request is matched against and recorded in the prefix index."""
-        return bool(req.block_hashes) and self.policy.uses_prefix_match
+        """Whether this request would be matched against and recorded in the prefix index
+        under the current policy set (a decided request keeps ``Choice.indexed``)."""
+        return bool(req.block_hashes) and self.policies.uses_prefix_match
 
     def choose(
         self,
@@ -126,8 +147,10 @@ class RoutingCore:
     ) -> Choice:
         """Views of ``workers`` (non-empty) with this request's matches, and the policy's
         pick among them."""
+        policies = self.policies
+        indexed = bool(req.block_hashes) and policies.uses_prefix_match
         matches: Mapping[str, int] = {}
-        if self.uses_index(req):
+        if indexed:
             matches = self.index.match(req.block_hashes)
         exact_tokens = exact.match([w.id for w in workers]) if exact is not None else {}
         views = [
@@ -141,26 +164,50 @@ class RoutingCore:
             )
             for w in workers
         ]
-        decision = self._select(req, views)
+        arm, policy = policies.arm(req)
+        decision = self._select(req, views, policy, self.rng)
         worker = next((w for w in workers if w.id == decision.worker_id), workers[0])
         matched = next((v.matched_tokens for v in views if v.id == worker.id), 0)
-        return Choice(worker, decision, views, matches.get(worker.id, 0), matched)
+        choice = Choice(
+            worker, decision, views, matches.get(worker.id, 0), matched, indexed, policy, arm
+        )
+        if policies.shadows and req.kind is not ApiKind.EMBEDDINGS:
+            self._shadows(req, choice, policies)
+        return choice
 
-    def _select(self, req: RouteRequest, views: Sequence[WorkerView]) -> Decision:
+    def _shadows(self, req: RouteRequest, choice: Choice, policies: PolicySet) -> None:
+        by_id = {v.id: v for v in choice.views}
+        estimate = self._ttft
+        if estimate is not None:
+            choice.estimated_ttft_s = estimate(by_id[choice.worker.id], req.prompt_tokens)
+        picks = []
+        for shadow, rng in zip(policies.shadows, policies.shadow_rngs, strict=True):
+            d = self._select(req, choice.views, shadow, rng)
+            view = by_id.get(d.worker_id, choice.views[0])
+            est = None if estimate is None else estimate(view, req.prompt_tokens)
+            agrees = view.id == choice.worker.id
+            picks.append(
+                ShadowPick(shadow.name, view.id, d.reason, view.matched_tokens, est, agrees)
+            )
+        choice.shadows = tuple(picks)
+
+    def _select(
+        self, req: RouteRequest, views: Sequence[WorkerView], policy: Policy, rng: random.Random
+    ) -> Decision:
         if req.kind is ApiKind.EMBEDDINGS:
-            return Decision(least_loaded(views, self.rng).id, "load")
-        if len(views) == 1 and not self.policy.uses_prefix_match:
+            return Decision(least_loaded(views, rng).id, "load")
+        if len(views) == 1 and not policy.uses_prefix_match:
             return Decision(views[0].id, "only_candidate")
         ctx = RouteContext(
             prompt_tokens=req.prompt_tokens,
             candidates=views,
-            rng=self.rng,
+            rng=rng,
             routing_key=req.routing_key,
             prompt_chars=req.prompt_chars,
             block_hashes=req.block_hashes,
             block_chars=req.block_chars,
         )
-        return self.policy.select(ctx)
+        return policy.select(ctx)
 
     def dispatch(
         self,
@@ -171,7 +218,7 @@ class RoutingCore:
     ) -> Lease:
         """Record the prompt under the chosen worker and lease it the request."""
         worker = choice.worker
-        if self.uses_index(req):
+        if choice.indexed:
             self.index.record(req.block_hashes, worker.id, now)  # at dispatch: co-locate
         if exact is not None:
             choice.index_mode = exact.mode(worker.id)
@@ -192,7 +239,7 @@ class RoutingCore:
         reported = outcome.cached_tokens
         if self.tokens is not None and outcome.status == 200:
             self.tokens.observe(wid, req, outcome.prompt_tokens)
-        if self.uses_index(req):
+        if choice.indexed:
             if reported is not None:
                 self.index.correct(wid, req.block_hashes, choice.predicted_blocks, reported, now)
             else:

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from gateway.routing.policy_set import ShadowPick
 from policies.base import Decision, WorkerView
 
 DEFAULT_CAPACITY = 1024
@@ -51,6 +52,8 @@ class DecisionOutcome:
     reported_cached_tokens: int | None = None  # None: the worker did not report
     retries: int = 0
     duration_s: float | None = None
+    reported_prompt_tokens: int | None = None  # the worker's usage.prompt_tokens
+    output_tokens: int | None = None  # the worker's usage.completion_tokens
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -60,6 +63,8 @@ class DecisionOutcome:
             "reported_cached_tokens": self.reported_cached_tokens,
             "retries": self.retries,
             "duration_s": self.duration_s,
+            "reported_prompt_tokens": self.reported_prompt_tokens,
+            "output_tokens": self.output_tokens,
         }
 
 
@@ -81,6 +86,9 @@ class DecisionRecord:
     slot_wait_s: float | None = (
         None  # held for a busy slot (``gateway.routing.slot_gate``), seconds
     )
+    arm: str | None = None  # A/B arm (``gateway.routing.policy_set``); None without a split
+    shadows: tuple[ShadowPick, ...] = ()  # what the shadow policies would have picked
+    estimated_ttft_s: float | None = None  # of the pick, when shadows are compared
 
     @classmethod
     def from_decision(
@@ -133,6 +141,15 @@ class DecisionRecord:
         } | (
             ({} if self.index_mode is None else {"index_mode": self.index_mode})
             | ({} if self.slot_wait_s is None else {"slot_wait_s": self.slot_wait_s})
+            | ({} if self.arm is None else {"arm": self.arm})
+            | (
+                {}
+                if not self.shadows
+                else {
+                    "shadows": [s.to_dict() for s in self.shadows],
+                    "estimated_ttft_s": self.estimated_ttft_s,
+                }
+            )
         )
 
 

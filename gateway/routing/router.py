@@ -92,6 +92,9 @@ class RouterHooks:
         """Extra headers for the worker (e.g. W3C ``traceparent``)."""
         return _NO_HEADERS
 
+    def completed(self, req: RouteRequest, record: DecisionRecord) -> None:
+        """A worker answered the request whole (``record.outcome`` is set)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Forwarding:
@@ -146,7 +149,7 @@ class Router:
         self._request_timeout = config.server.request_timeout_s
 
     def _prepare_exact(self, req: RouteRequest) -> ExactRequest | None:
-        if self._exact is None or not self.core.policy.uses_prefix_match:
+        if self._exact is None or not self.core.policies.uses_prefix_match:
             return None
         if req.kind is ApiKind.EMBEDDINGS:
             return None
@@ -174,12 +177,14 @@ class Router:
                 worker = choice.worker
                 record = DecisionRecord.from_decision(
                     request_id=request_id,
-                    policy=self.core.policy.name,
+                    policy=choice.policy.name,
                     decision=choice.decision,
                     candidates=choice.views,
                     prompt_tokens=req.prompt_tokens,
                     model=req.model,
                 )
+                record.arm, record.shadows = choice.arm, choice.shadows
+                record.estimated_ttft_s = choice.estimated_ttft_s
                 self.decisions.add(record)
                 self.hooks.decided(record)
                 final = attempt == self._max_attempts - 1 or len(workers) == 1
@@ -210,7 +215,9 @@ class Router:
     ) -> web.StreamResponse:
         req, worker = call.req, choice.worker
         rid = req.rid or call.request_id
-        slots = self._slots if self.core.uses_index(req) else None
+        # held only for a policy that routes by the match (not for shadows' sake)
+        gated = choice.indexed and choice.policy.uses_prefix_match
+        slots = self._slots if gated else None
         # before the index records this prompt there: the gate compares it with the chains
         # the worker holds now (a slot-bound worker's, else nothing is held)
         ticket = slots.enter(worker.id, req.block_hashes) if slots is not None else None
@@ -261,7 +268,10 @@ class Router:
             reported_cached_tokens=outcome.cached_tokens,
             retries=attempt,
             duration_s=time.perf_counter() - call.started,
+            reported_prompt_tokens=outcome.prompt_tokens,
+            output_tokens=outcome.output_tokens,
         )
+        self.hooks.completed(req, record)
         if outcome.failed_mid_stream:
             self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
             log.warning("request %s: worker %s failed mid-stream", call.request_id, worker.url)

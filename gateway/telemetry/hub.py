@@ -44,9 +44,10 @@ from gateway.routing.decisions import DecisionOutcome, DecisionRecord
 from gateway.telemetry.collector import FleetCollector
 from gateway.telemetry.logs import set_request_id
 from gateway.telemetry.metrics import CounterChild, HistogramChild
-from gateway.telemetry.series import Metrics, WorkerStats
+from gateway.telemetry.series import TTFT_BUCKETS, Metrics, WorkerStats
 from gateway.telemetry.snapshot import FleetSnapshot, SnapshotProvider, empty_snapshot
 from gateway.telemetry.tracing import SpanHandle, Tracing, TracingConfig
+from gateway.telemetry.tuning import TuningTelemetry
 
 NO_WORKER = "none"  # worker label of requests that never reached a worker
 OTHER = "other"
@@ -231,6 +232,7 @@ class Telemetry:
         # Registered first: each scrape prunes removed workers before the push series.
         self.registry.register(FleetCollector(self.snapshot, self._prune))
         self._m = Metrics(self.registry)
+        self.tuning = TuningTelemetry(self.registry, TTFT_BUCKETS)
         self._tracing = Tracing(self.config.tracing, span_exporter)
         self._workers: dict[str, WorkerStats] = {}
         self._error_workers: set[str] = set()  # labelled by errors or ejections only
