@@ -2,12 +2,17 @@
 
 :func:`add_telemetry_routes` adds them to the gateway's application, with every
 dependency passed in (no globals, no app keys needed). All handlers are read-only, take
-one fleet snapshot at most, and never expose prompt text.
+one fleet snapshot at most, and never expose prompt text. ``/dashboard/data?history=1``
+adds the gateway's ring of recent chart figures (:class:`FigureRing`, sampled by a task
+these routes run for the application's lifetime), so the page opens on the recent past.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
@@ -16,6 +21,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.routing.decisions import DecisionSource
+from gateway.telemetry import history
+from gateway.telemetry.history import FigureRing, ttft_percentiles
 from gateway.telemetry.hub import Telemetry
 from gateway.telemetry.series import WorkerStats
 from gateway.telemetry.snapshot import WorkerSnapshot
@@ -39,17 +46,6 @@ def _ratio(num: int, den: int) -> float | None:
 
 def _capped(rate: float | None) -> float | None:
     return None if rate is None else min(1.0, rate)
-
-
-def _percentiles(ws: WorkerStats | None, window_s: float) -> dict[str, float | None]:
-    if ws is None:
-        return {"p50": None, "p90": None, "p99": None}
-    horizon = time.monotonic() - window_s
-    values = sorted(v for t, v in ws.ttft_recent if t >= horizon)
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    last = len(values) - 1
-    return {f"p{q}": values[min(last, (len(values) * q) // 100)] for q in (50, 90, 99)}
 
 
 def _hit_rates(ws: WorkerStats | None) -> dict[str, Any]:
@@ -96,7 +92,7 @@ def dashboard_data(telemetry: Telemetry, decisions: DecisionSource) -> dict[str,
         ws = stats.get(w.worker)
         doc = w.to_dict()
         doc.update(_index_doc(w, ws))
-        doc["ttft_s"] = _percentiles(ws, window)
+        doc["ttft_s"] = ttft_percentiles(ws, window)
         workers.append(doc)
     reasons: dict[str, int] = {}
     for (_, reason), n in telemetry.reason_counts.items():
@@ -123,9 +119,24 @@ def add_telemetry_routes(
     telemetry: Telemetry,
     decisions: DecisionSource,
     metrics_path: str = "/metrics",
+    history_period_s: float | None = None,
 ) -> None:
-    """Add the telemetry routes to ``app`` (before it starts)."""
+    """Add the telemetry routes to ``app`` (before it starts), and the sampling of the
+    recent figures while it runs (every ``history_period_s``, default
+    :data:`gateway.telemetry.history.PERIOD_S`)."""
     page = _dashboard_html()
+    ring = FigureRing(
+        telemetry.worker_stats,
+        telemetry.config.ttft_window_s,
+        period_s=history.PERIOD_S if history_period_s is None else history_period_s,
+    )
+
+    async def sampling(_: web.Application) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(ring.run(), name="dashboard-history")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
@@ -150,11 +161,15 @@ def add_telemetry_routes(
             body=page, content_type="text/html", headers={"Cache-Control": "no-cache"}
         )
 
-    async def data(_: web.Request) -> web.Response:
-        return _json(dashboard_data(telemetry, decisions))
+    async def data(request: web.Request) -> web.Response:
+        doc = dashboard_data(telemetry, decisions)
+        if request.query.get("history") == "1":
+            doc["history"] = ring.to_dict()
+        return _json(doc)
 
     app.router.add_get(metrics_path, metrics)
     app.router.add_get("/debug/decisions", list_decisions)
     app.router.add_get("/debug/index", index)
     app.router.add_get("/dashboard", dashboard)
     app.router.add_get("/dashboard/data", data)
+    app.cleanup_ctx.append(sampling)

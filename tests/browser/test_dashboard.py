@@ -1,7 +1,8 @@
 """The operator's dashboard in a real headless Chromium (Debian's package, via Playwright).
 
 Checks: the page loads without console errors, lists the workers, and its figures change
-after traffic. Saves a screenshot under pytest's tmp_path. Skipped only when
+after traffic; a page opened after traffic draws the recent past from its first poll (the
+gateway's ring, ``?history=1``). Saves a screenshot under pytest's tmp_path. Skipped only when
 ``/usr/bin/chromium`` is absent (``make browser-deps`` installs it).
 """
 
@@ -18,6 +19,7 @@ from aiohttp import web
 from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 
 import gateway.app
+import gateway.telemetry.history
 from gateway.config import config_from_dict, merge
 from gateway.http import app_keys
 from gateway.http.debug import add_telemetry_routes
@@ -85,6 +87,31 @@ async def open_dashboard(browser: Browser, url: str) -> tuple[Page, list[str]]:
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     await page.goto(url + "/dashboard")
     return page, errors
+
+
+async def open_recording(browser: Browser, url: str) -> tuple[Page, list[str], list[str]]:
+    """Like :func:`open_dashboard`, plus the URLs of the ``/dashboard/data`` polls made."""
+    page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    polls: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("request", lambda r: polls.append(r.url) if "/dashboard/data" in r.url else None)
+    await page.goto(url + "/dashboard")
+    return page, errors, polls
+
+
+async def chart_points(page: Page, chart: str) -> dict[str, list[tuple[float, float]]]:
+    """Each line of chart ``chart`` (an svg id): worker -> its (x, y) points (y=160: zero)."""
+    lines: dict[str, str] = await page.evaluate(
+        """(id) => Object.fromEntries([...document.querySelectorAll('#' + id + ' polyline')]
+             .map((l) => [l.dataset.worker, l.getAttribute('points')]))""",
+        chart,
+    )
+    return {
+        w: [(float(x), float(y)) for x, y in (p.split(",") for p in pts.split())]
+        for w, pts in lines.items()
+    }
 
 
 class FakeFleet:
@@ -195,6 +222,38 @@ async def test_dashboard_on_fake_fleet(browser: Browser, tmp_path: Path) -> None
         telemetry.shutdown()
 
 
+async def test_dashboard_draws_the_recent_past_on_first_paint(browser: Browser) -> None:
+    """Traffic before the page opens: its first poll brings the ring and both charts have
+    lines at once, not after minutes of polling."""
+    fleet = FakeFleet()
+    telemetry = Telemetry(snapshot=fleet)
+    log = DecisionLog(256)
+    app = web.Application()
+    add_telemetry_routes(app, telemetry=telemetry, decisions=log, history_period_s=0.1)
+    runner, url = await serve(app)
+    try:
+        rng = random.Random(5)
+        for _ in range(4):  # bursts over ~10 samples, nobody watching
+            traffic(telemetry, log, 10, rng)
+            await asyncio.sleep(0.25)
+        page, errors, polls = await open_recording(browser, url)
+        await page.wait_for_selector('#workers tbody tr[data-worker="w1"]')  # first render
+        rate = await chart_points(page, "chart-rate")
+        ttft = await chart_points(page, "chart-ttft")
+        assert polls == [url + "/dashboard/data?history=1"]  # drawn from the first poll alone
+        for w in ("w1", "w2"):  # traffic went to w1 and w2 only
+            assert len(rate[w]) >= 5, rate
+            assert any(y < 160 for _, y in rate[w]), rate[w]  # the bursts show as rates > 0
+            assert len(ttft[w]) >= 5, ttft
+        assert "w3" not in rate
+        assert await page.inner_text("#total-requests") == "40"
+        assert errors == []
+        await page.close()
+    finally:
+        await runner.cleanup()
+        telemetry.shutdown()
+
+
 async def _shared_prefix_traffic(url: str, n: int) -> None:
     """``n`` chat requests in 4 groups sharing a long system prompt, 4 at a time."""
     systems = [f"You are assistant {g}. " + "Follow the house style. " * 120 for g in range(4)]
@@ -213,8 +272,9 @@ async def _shared_prefix_traffic(url: str, n: int) -> None:
 
 
 async def test_dashboard_through_gateway_and_simulated_fleet(
-    browser: Browser, tmp_path: Path
+    browser: Browser, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(gateway.telemetry.history, "PERIOD_S", 0.25)  # the ring fills fast
     async with await SimulatedFleet.start(3, SimConfig(speed=50.0)) as fleet:
         config = config_from_dict(merge({}, {
             "workers": fleet.urls, "policy.name": "min_ttft", "policy.seed": 3,
@@ -253,6 +313,21 @@ async def test_dashboard_through_gateway_and_simulated_fleet(
             assert any(h.endswith("%") and h != "0.0%" for h in hits), hits  # reported hit
             assert await page.locator("#reasons tr[data-reason]").count() >= 1
             await page.screenshot(path=str(tmp_path / "dashboard-gateway.png"), full_page=True)
+            assert errors == []
+            await page.close()
+
+            # A page opened now draws the traffic above from its first poll.
+            await asyncio.sleep(0.75)  # a few more samples of the gateway's ring
+            page, errors, polls = await open_recording(browser, url)
+            for wid in ids:
+                await page.wait_for_selector(f'#workers tbody tr[data-worker="{wid}"]')
+            rate = await chart_points(page, "chart-rate")
+            ttft = await chart_points(page, "chart-ttft")
+            assert polls == [url + "/dashboard/data?history=1"]
+            busy = [w for w in ids if w in rate]
+            assert busy, rate  # min_ttft spread the groups: at least one line per busy worker
+            assert any(y < 160 for w in busy for _, y in rate[w]), rate
+            assert any(len(points) >= 2 for points in ttft.values()), ttft
             assert errors == []
             await page.close()
         finally:
