@@ -82,6 +82,21 @@ class HostAllowList:
             address = address.ipv4_mapped  # ::ffff:169.254.169.254 is 169.254.169.254
         return any(address in net for net in self._nets if net.version == address.version)
 
+    def decided(self, url: str) -> bool | None:
+        """Without resolving: True (allowed by name, address or ``*``), False (an address
+        outside every block, or no host), None (a name: :meth:`check` must resolve it)."""
+        if self._any:
+            return True
+        host = (urlsplit(url).hostname or "").lower().rstrip(".")
+        if not host:
+            return False
+        if host in self._names:
+            return True
+        try:
+            return self._inside(ipaddress.ip_address(host))
+        except ValueError:
+            return None
+
     async def check(self, url: str) -> None:
         """Return when ``url``'s host may be registered; raise NotAllowed otherwise."""
         if self._any:

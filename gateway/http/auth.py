@@ -10,8 +10,12 @@ Contract:
   does not tell which key nearly matched). Failures raise ``GatewayError``:
   401 without a key or with an unknown one, 403 when a client key asks for an admin path.
 - Admin paths need an admin key when one is configured; without one they fall back to
-  the client keys (the single ``--api-key`` behaviour of sglang-router). Probe paths are
-  open unless ``protect_probes``. With no key configured at all, everything is open.
+  the client keys (the single ``--api-key`` behaviour of sglang-router), or only to
+  ``admin_fallback`` when given: ``gateway.http.handlers`` gives ``server.api_key``
+  alone when it is set, because it is also the key workers receive, and a holder of
+  another client key who could register a worker of its own would receive it with the
+  first probe. Probe paths are open unless ``protect_probes``. With no key configured
+  at all, everything is open.
 - :meth:`Authenticator.check` returns the caller's principal, a short label such as
   ``client-2`` or ``admin`` (never the key), used for rate limits and logs.
 - What workers see of the client's credentials is ``gateway.forward.credentials``.
@@ -23,13 +27,9 @@ import hashlib
 import hmac
 import os
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from gateway.config.keyfiles import read_key_file
 from gateway.errors import GatewayError
-
-if TYPE_CHECKING:
-    pass
 
 ADMIN_PREFIXES = ("/workers", "/admin", "/debug", "/dashboard")
 ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/list_workers"})
@@ -79,9 +79,14 @@ class Authenticator:
         admin_keys: Iterable[str] = (),
         *,
         protect_probes: bool = False,
+        admin_fallback: Iterable[str] | None = None,
     ) -> None:
         # Digests of equal length: compare_digest then costs the same for every key.
-        self._clients = [(f"client-{i}", _digest(k)) for i, k in enumerate(client_keys)]
+        keys = list(client_keys)
+        self._clients = [(f"client-{i}", _digest(k)) for i, k in enumerate(keys)]
+        allowed = set(keys if admin_fallback is None else admin_fallback)
+        # the client principals that may use admin paths while no admin key is configured
+        self._fallback = frozenset(f"client-{i}" for i, k in enumerate(keys) if k in allowed)
         self._admins = [
             ("admin" if i == 0 else f"admin-{i}", _digest(k)) for i, k in enumerate(admin_keys)
         ]
@@ -119,8 +124,10 @@ class Authenticator:
         admin = self._match(self._admins, digest)
         client = self._match(self._clients, digest)
         if scope == "admin":
-            if admin is not None or (not self._admins and client is not None):
-                return admin or client or ANONYMOUS
+            if admin is not None:
+                return admin
+            if not self._admins and client is not None and client in self._fallback:
+                return client
             if client is not None:
                 raise GatewayError(403, "this key may not use the admin API")
             raise GatewayError(401, "invalid API key")

@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion10, web
 
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, error_response, render
@@ -76,10 +76,16 @@ def request_id_of(request: web.Request, header_names: tuple[str, ...]) -> str:
     return os.urandom(16).hex()  # as unique as uuid4().hex, a few times cheaper
 
 
+# Failed key checks per client address: a burst, then one per second (key guessing).
+FAILED_KEYS_PER_S = 1.0
+FAILED_KEYS_BURST = 20
+
+
 def make_middleware(config: GatewayConfig) -> Any:
     header_names = config.server.request_id_headers
     auth = make_authenticator(config)
     limiter = RateLimiter(config.server.rate_limit_per_s, config.server.rate_limit_burst)
+    failures = RateLimiter(FAILED_KEYS_PER_S, FAILED_KEYS_BURST)
     guarded = auth.enabled or limiter.enabled  # else the hot path skips both
 
     @web.middleware
@@ -87,8 +93,10 @@ def make_middleware(config: GatewayConfig) -> Any:
         request_id = request_id_of(request, header_names)
         request[REQUEST_ID] = request_id
         try:
+            if request.version < HttpVersion10:  # a request line without a version
+                raise GatewayError(400, "HTTP/0.9 requests are not served")
             if guarded:
-                _admit(request, auth, limiter)
+                _admit(request, auth, limiter, failures)
             return await handler(request)
         except GatewayError as exc:
             _log_error(request_id, request, exc.status, exc.message)
@@ -112,21 +120,37 @@ def make_middleware(config: GatewayConfig) -> Any:
 
 
 def make_authenticator(config: GatewayConfig) -> Authenticator:
-    """Client and admin keys from every configured source (flag, list, env, files)."""
+    """Client and admin keys from every configured source (flag, list, env, files).
+    Without an admin key, ``server.api_key`` (when set) is the only client key allowed on
+    the admin routes: it is the key workers receive (``gateway.http.auth``)."""
     s = config.server
     clients = collect_keys(
         single=s.api_key, listed=s.api_keys, env_var=s.api_keys_env, file=s.api_keys_file
     )
     admins = collect_keys(single=s.admin_api_key, file=s.admin_api_keys_file)
-    return Authenticator(clients, admins, protect_probes=s.protect_probes)
+    shared = (s.api_key or "").strip()
+    fallback = (shared,) if shared else None
+    return Authenticator(clients, admins, protect_probes=s.protect_probes, admin_fallback=fallback)
 
 
-def _admit(request: web.Request, auth: Authenticator, limiter: RateLimiter) -> None:
-    """Keys, then the rate limit; GatewayError 401/403/429."""
-    principal = auth.check(request.path, request.headers)
+def _admit(
+    request: web.Request, auth: Authenticator, limiter: RateLimiter, failures: RateLimiter
+) -> None:
+    """Keys (failed checks bounded per address), then the rate limit; GatewayError
+    401/403/429."""
+    address = "addr:" + (request.remote or "")
+    wait = failures.wait(address)
+    if wait is not None:
+        raise GatewayError(429, "too many failed key checks from this address", retry_after=wait)
+    try:
+        principal = auth.check(request.path, request.headers)
+    except GatewayError as exc:
+        if exc.status == 401:
+            failures.take(address)
+        raise
     if limiter.enabled and path_scope(request.path) == "api":
         if principal == ANONYMOUS:
-            principal = "addr:" + (request.remote or "")
+            principal = address
         wait = limiter.take(principal)
         if wait is not None:
             raise GatewayError(429, "rate limit exceeded for this API key", retry_after=wait)

@@ -7,6 +7,8 @@ that as ``Retry-After``). A bucket holds at most ``burst`` tokens and refills at
 limiter (``enabled`` is False, :meth:`take` always admits). Memory is bounded: past
 ``max_buckets`` principals, buckets that are full again (idle long enough to have
 refilled) are dropped, which loses nothing since a new bucket starts full.
+:meth:`RateLimiter.wait` looks without spending (the gateway's bound on failed key checks
+spends only on a failure, and looks before every check).
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ class RateLimiter:
             return None
         self._buckets[principal] = (tokens, now)
         return (1.0 - tokens) / self._rate
+
+    def wait(self, principal: str) -> float | None:
+        """Like :meth:`take` but spends nothing: None when a token is there (or the
+        principal is unknown), else the seconds until one is."""
+        entry = self._buckets.get(principal) if self._rate else None
+        if entry is None:
+            return None
+        tokens, at = entry
+        tokens = min(self._burst, tokens + (self._clock() - at) * self._rate)
+        return None if tokens >= 1.0 else (1.0 - tokens) / self._rate
 
     def _prune(self, now: float) -> None:
         full_after = self._burst / self._rate

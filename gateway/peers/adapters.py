@@ -35,8 +35,10 @@ from prometheus_client.core import (
 )
 
 from gateway.config import RedisConfig, validate_worker_url
+from gateway.config.allowlist import HostAllowList, NotAllowed
 from gateway.config.workerspec import KIND_NAMES
 from gateway.http import app_keys
+from gateway.http.admin import ALLOWLIST
 from gateway.peers.codec import LoadFigures
 from gateway.peers.state import ACTIVE, DRAINING, SharedSettings, SharedState
 from gateway.routing.decide import PrefixMatcher
@@ -254,22 +256,51 @@ def build_shared_state(
     registry: WorkerRegistry,
     probe: Callable[[Worker], object],
     env: Mapping[str, str] | None = None,
+    *,
+    allow: HostAllowList | None = None,
+    spawn: Callable[[Coroutine[Any, Any, None]], object] | None = None,
 ) -> tuple[ReplicatingIndex, SharedState]:
     """The router's index and the shared state (not started: run ``state.run()``).
 
-    ``probe(worker)`` is called for each worker a peer added, so it is checked at once."""
+    ``probe(worker)`` is called for each worker a peer added, so it is checked at once.
+    A peer's worker passes the same allow-list as ``POST /workers`` (``allow``): Redis
+    is one more way to add a worker, not a way around the SSRF guard. A name that must be
+    resolved first is checked in the background (``spawn``) and added once allowed."""
     replicating = ReplicatingIndex(index)
+    resolving: set[str] = set()
+
+    def register(url: str, kind: str | None) -> Worker:
+        worker, created = registry.add(url, kind if kind in KIND_NAMES else None)
+        if created:
+            probe(worker)
+        return worker
+
+    async def resolve_then_add(url: str, kind: str | None) -> None:
+        assert allow is not None
+        try:
+            await allow.check(url)
+        except NotAllowed as exc:
+            log.warning("shared state: ignoring worker %s: %s", url, exc)
+        else:
+            register(url, kind)
+        finally:
+            resolving.discard(url)
 
     def add_worker(url: str, kind: str | None) -> Worker | None:
         try:
             url = validate_worker_url(url)
         except ValueError as exc:
-            log.warning("shared state: ignoring worker %r: %s", url, exc)
+            log.warning("shared state: ignoring a worker: %s", exc)
             return None
-        worker, created = registry.add(url, kind if kind in KIND_NAMES else None)
-        if created:
-            probe(worker)
-        return worker
+        verdict = allow.decided(url) if allow is not None else True
+        if verdict is None and spawn is not None and url not in resolving:
+            resolving.add(url)
+            spawn(resolve_then_add(url, kind))
+        if not verdict:
+            if verdict is False:
+                log.warning("shared state: ignoring worker %s: outside the allow-list", url)
+            return None
+        return register(url, kind)
 
     settings = settings_from(cfg, os.environ if env is None else env)
     fleet = RegistryFleet(registry, add_worker)
@@ -322,7 +353,12 @@ def wire_shared_state(
         return None
     tasks = app[app_keys.TASKS]
     replicating, state = build_shared_state(
-        cfg, index, registry, lambda w: tasks.spawn(check_now(w), "probe")
+        cfg,
+        index,
+        registry,
+        lambda w: tasks.spawn(check_now(w), "probe"),
+        allow=app.get(ALLOWLIST),
+        spawn=lambda coro: tasks.spawn(coro, "allow-list"),
     )
     app[SHARED_STATE] = state
     app[app_keys.TELEMETRY].registry.register(SharedStateCollector(state))
