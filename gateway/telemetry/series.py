@@ -67,6 +67,12 @@ class Metrics:
             "Cached tokens the worker reported (cached_tokens) for finished requests.",
             w,
         )
+        # The captured hit rate's denominator: streams without include_usage report nothing.
+        self.reported_prompt = CounterVec(
+            "gateway_worker_reported_prompt_tokens",
+            "Estimated prompt tokens of finished requests the worker reported cached tokens for.",
+            w,
+        )
         self.retries = CounterVec(
             "gateway_retries", "Attempts retried on another worker.", ["route"]
         )
@@ -82,7 +88,7 @@ class Metrics:
         )
         families = (
             self.requests, self.duration, self.ttft, self.decisions, self.match_ratio,
-            self.prompt_tokens, self.predicted, self.reported, self.retries,
+            self.prompt_tokens, self.predicted, self.reported, self.reported_prompt, self.retries,
             self.upstream_errors, self.ejections, self.slot_waits,
         )  # fmt: skip
         registry.register(PushCollector(families))
@@ -100,6 +106,7 @@ class WorkerStats:
         "_predicted",
         "_prompt",
         "_reported",
+        "_reported_prompt",
         "duration",
         "errors",
         "predicted_tokens",
@@ -121,6 +128,7 @@ class WorkerStats:
         self._prompt: CounterChild | None = None
         self._predicted: CounterChild | None = None
         self._reported: CounterChild | None = None
+        self._reported_prompt: CounterChild | None = None
         self.requests_by_key: dict[tuple[str, int], CounterChild] = {}
         self.ttft_recent: deque[tuple[float, float]] = deque(maxlen=window)
         self.requests = 0
@@ -158,8 +166,10 @@ class WorkerStats:
         self._prompt.inc(prompt)
         self._predicted.inc(predicted)
         if reported is not None:
-            if self._reported is None:
+            if self._reported is None or self._reported_prompt is None:
                 self._reported = self._m.reported.labels(self.worker)
+                self._reported_prompt = self._m.reported_prompt.labels(self.worker)
             self.reported_prompt_tokens += prompt
             self.reported_tokens += reported
             self._reported.inc(reported)
+            self._reported_prompt.inc(prompt)

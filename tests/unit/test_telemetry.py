@@ -184,6 +184,22 @@ def test_index_fidelity_tokens(telemetry: Telemetry) -> None:
     assert (stats.requests, stats.reported_prompt_tokens, stats.reported_tokens) == (3, 300, 150)
 
 
+def test_reported_prompt_tokens_count_only_requests_with_a_report(telemetry: Telemetry) -> None:
+    """The captured hit rate's denominator: a stream without usage reports nothing, so its
+    prompt counts in gateway_worker_prompt_tokens_total only."""
+    traffic(telemetry)  # w1: 3 x 100 prompt tokens, all reported; w2: none reported
+    rt = telemetry.begin_request("d", ROUTE, "m")
+    rt.decided(record("w1", prompt=400))
+    rt.finish(200)  # no cached_tokens in the answer
+    f = samples(telemetry)
+    assert value(f, "gateway_worker_prompt_tokens_total", worker="w1") == 700
+    assert value(f, "gateway_worker_reported_prompt_tokens_total", worker="w1") == 300
+    assert value(f, "gateway_worker_reported_cached_tokens_total", worker="w1") == 150
+    assert {"worker": "w2"} not in [
+        s.labels for s in f["gateway_worker_reported_prompt_tokens"][1]
+    ]  # w2 never reported: no series, like its reported cached tokens
+
+
 def test_pull_gauges_from_snapshot(telemetry: Telemetry) -> None:
     f = samples(telemetry)
     assert f["gateway_worker_in_flight_requests"][0] == "gauge"
