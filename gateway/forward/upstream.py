@@ -504,6 +504,11 @@ class UpstreamResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        if self._paused and conn.transport is not None:
+            # paused by this answer's body, which is all here: an idle connection must
+            # read, so that a stray byte or a close is seen at once
+            self._paused = False
+            conn.transport.resume_reading()
         if self.keep_alive:
             self._pool.give_back(self._target, conn)
         else:

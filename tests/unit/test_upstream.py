@@ -228,3 +228,24 @@ async def test_interim_1xx_is_skipped(serve: Any) -> None:
         assert resp.status == 200 and await resp.read() == b"ok"
     finally:
         await pool.close()
+
+
+async def test_large_body_paused_then_complete_leaves_a_reading_connection(serve: Any) -> None:
+    body = b"x" * (150 << 10)  # past the high-water mark in one read: reading pauses
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    worker = await serve(script)
+    pool = UpstreamPool(connect_timeout_s=1.0)
+    try:
+        for _ in range(3):
+            resp = await pool.request(worker.url, "/", [], b"{}", _deadline())
+            await asyncio.sleep(0.05)  # the whole body arrives while nobody reads
+            assert await resp.read() == body
+        assert worker.connections == 1
+    finally:
+        await pool.close()
