@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 EXTRAS ?= dev,loadtest,engine
 
 .PHONY: install test demo demo-real lint bench browser-deps clean
@@ -14,6 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
+
+# `make demo` runs the gateway and the simulator only: the package with no extras.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(DEMO_STAMP)
 
 # Debian's Chromium for the dashboard's browser test (never a browser downloaded by a tool).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
@@ -34,7 +42,7 @@ lint: install
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
 
-demo: install
+demo: $(DEMO_STAMP)
 	$(PY) -m loadtests.demo --config config/demo.yaml
 
 # The gateway in front of real llama.cpp servers (a tiny model generated on first use).
