@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import ssl as ssl_module
 from collections import deque
 from collections.abc import Iterable
@@ -98,17 +99,22 @@ class _Trailing(Exception):
 class _Conn(asyncio.Protocol):
     """One connection to a worker; feeds the current exchange's parser."""
 
-    __slots__ = ("closed", "exchange", "idle_since", "transport")
+    __slots__ = ("_poll", "closed", "exchange", "idle_since", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.exchange: UpstreamResponse | None = None
         self.idle_since = 0.0
         self.closed = False
+        self._poll: select.poll | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses: no isinstance check
         self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and hasattr(select, "poll"):
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
 
     def data_received(self, data: bytes) -> None:
         exchange = self.exchange
@@ -137,7 +143,16 @@ class _Conn(asyncio.Protocol):
             and transport is not None
             and not transport.is_closing()
             and now - self.idle_since < idle_timeout_s
+            and not self._readable()
         )
+
+    def _readable(self) -> bool:
+        """Something (bytes or a close) waits in the kernel that the loop has not
+        delivered yet: an idle connection must have nothing, so it is not reused. The same
+        look urllib3 takes before reusing a connection (one poll(2), no wait); it closes
+        the race with a worker that closes right after its answer (llama.cpp does after a
+        stream, though it said keep-alive)."""
+        return bool(self._poll is not None and self._poll.poll(0))
 
     def close(self) -> None:
         self.closed = True

@@ -4,6 +4,7 @@ stale connections, errors and deadlines."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -247,5 +248,29 @@ async def test_large_body_paused_then_complete_leaves_a_reading_connection(serve
             await asyncio.sleep(0.05)  # the whole body arrives while nobody reads
             assert await resp.read() == body
         assert worker.connections == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_close_the_loop_has_not_delivered_yet_is_seen_before_reuse(serve: Any) -> None:
+    writers: list[asyncio.StreamWriter] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writers.append(writer)
+        await asyncio.sleep(5)
+
+    worker = await serve(script)
+    pool = UpstreamPool(connect_timeout_s=1.0)
+    try:
+        resp = await pool.request(worker.url, "/", [], b"{}", _deadline())
+        assert await resp.read() == b"ok"
+        target = pool._target(worker.url)
+        assert len(target.idle) == 1
+        # a FIN, in the kernel at once on loopback; the loop has not run since to see it
+        writers[0].get_extra_info("socket").shutdown(socket.SHUT_WR)
+        assert pool._take(target) is None
     finally:
         await pool.close()
