@@ -106,6 +106,7 @@ def dashboard_data(telemetry: Telemetry, decisions: DecisionSource) -> dict[str,
         "workers": workers,
         "reasons": reasons,
         "decisions": [r.to_dict() for r in decisions.latest(DASHBOARD_DECISIONS)],
+        "tuning": telemetry.tuning.summary(),
     }
 
 

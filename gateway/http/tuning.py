@@ -60,6 +60,7 @@ class PolicyControl:
         self._build = build
         self._tuning = tuning
         self._on_change = on_change
+        tuning.running = core.policies.describe()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -240,10 +240,44 @@ class TuningTelemetry:
         self.ab = ABStats(window)
         self.trace = TraceLog()
         self.recent_changes: deque[dict[str, Any]] = deque(maxlen=20)
+        self.running: dict[str, Any] | None = None  # the policy set, as last applied
+        self._decisions: dict[str, int] = {}  # routed decisions compared, by policy
+
+    def summary(self) -> dict[str, Any]:
+        """For the dashboard: the running set, each policy's figures on the compared
+        decisions (agreement, mean matched tokens, mean estimated TTFT), the A/B arms and
+        the recent changes."""
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+        for (policy, role), child in self._matched.children.items():
+            n = self._decisions.get(policy, 0) if role == "routed" else self._shadow_n(policy)
+            ttft = self._ttft.children.get((policy, role))
+            rows[(policy, role)] = {
+                "policy": policy,
+                "role": role,
+                "decisions": n,
+                "mean_matched_tokens": child.value / n if n else None,
+                "mean_estimated_ttft_s": ttft.value / n if ttft is not None and n else None,
+                "agreement": self._agreement(policy) if role == "shadow" else None,
+            }
+        return {
+            "running": self.running,
+            "policies": [rows[k] for k in sorted(rows, key=lambda k: (k[1] != "routed", k))],
+            "ab": self.ab.summary(),
+            "changes": list(self.recent_changes),
+        }
+
+    def _shadow_n(self, policy: str) -> int:
+        return int(sum(c.value for (p, _), c in self._shadow.children.items() if p == policy))
+
+    def _agreement(self, policy: str) -> float | None:
+        n = self._shadow_n(policy)
+        agree = self._shadow.children.get((policy, "true"))
+        return (agree.value if agree is not None else 0.0) / n if n else None
 
     def decided(self, record: DecisionRecord) -> None:
         if not record.shadows:
             return
+        self._decisions[record.policy] = self._decisions.get(record.policy, 0) + 1
         self._matched.labels(record.policy, "routed").inc(record.matched_tokens)
         if record.estimated_ttft_s is not None:
             self._ttft.labels(record.policy, "routed").inc(record.estimated_ttft_s)
@@ -269,6 +303,8 @@ class TuningTelemetry:
     def changed(self, source: str, policies: dict[str, Any] | None, error: str | None) -> None:
         result = "refused" if error is not None else "applied"
         self._changes.labels(result).inc()
+        if policies is not None:
+            self.running = policies
         self.recent_changes.appendleft(
             {"time": time.time(), "source": source, "result": result, "policies": policies}
             | ({} if error is None else {"error": error})

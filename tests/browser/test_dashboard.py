@@ -254,8 +254,9 @@ async def test_dashboard_draws_the_recent_past_on_first_paint(browser: Browser) 
         telemetry.shutdown()
 
 
-async def _shared_prefix_traffic(url: str, n: int) -> None:
-    """``n`` chat requests in 4 groups sharing a long system prompt, 4 at a time."""
+async def _shared_prefix_traffic(url: str, n: int, sessions: int = 0) -> None:
+    """``n`` chat requests in 4 groups sharing a long system prompt, 4 at a time; with
+    ``sessions``, each carries one of that many ``x-session-id`` values."""
     systems = [f"You are assistant {g}. " + "Follow the house style. " * 120 for g in range(4)]
     sem = asyncio.Semaphore(4)
     async with aiohttp.ClientSession() as session:
@@ -264,7 +265,11 @@ async def _shared_prefix_traffic(url: str, n: int) -> None:
             body = {"model": "sim-model", "max_tokens": 4, "stream": i % 2 == 0,
                     "messages": [{"role": "system", "content": systems[i % 4]},
                                  {"role": "user", "content": f"question {i}"}]}  # fmt: skip
-            async with sem, session.post(url + "/v1/chat/completions", json=body) as resp:
+            headers = {"x-session-id": f"s{i % sessions}"} if sessions else {}
+            async with (
+                sem,
+                session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp,
+            ):
                 await resp.read()
                 assert resp.status == 200
 
@@ -330,5 +335,58 @@ async def test_dashboard_through_gateway_and_simulated_fleet(
             assert any(len(points) >= 2 for points in ttft.values()), ttft
             assert errors == []
             await page.close()
+        finally:
+            await runner.cleanup()
+
+
+async def test_dashboard_shows_shadows_ab_arms_and_policy_changes(
+    browser: Browser, tmp_path: Path
+) -> None:
+    """A gateway with two shadows and an A/B split: the page lists every policy's figures
+    on the same requests, both arms with their intervals, and a live policy change."""
+    async with await SimulatedFleet.start(3, SimConfig(speed=50.0)) as fleet:
+        config = config_from_dict(merge({}, {
+            "workers": fleet.urls, "policy.name": "cache_aware", "policy.seed": 3,
+            "policy.shadows": ["min_ttft", "round_robin"], "policy.ab_policy": "least_load",
+            "policy.ab_fraction": 0.5, "health.interval_s": 0.1,
+            "health.success_threshold": 1,
+        }))  # fmt: skip
+        app = gateway.app.build_app(config)
+        runner, port = await start_site(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            page, errors = await open_dashboard(browser, url)
+            await page.wait_for_function(
+                "document.getElementById('workers-healthy').textContent === '3 / 3'",
+                timeout=10_000,
+            )
+            await _shared_prefix_traffic(url, 32, sessions=8)
+            for key in ("routed:cache_aware", "shadow:min_ttft", "shadow:round_robin"):
+                await page.wait_for_selector(f'#shadows tr[data-policy="{key}"]', timeout=10_000)
+            agreement = await page.inner_text(
+                '#shadows tr[data-policy="shadow:min_ttft"] td:nth-child(4)'
+            )
+            assert agreement.endswith("%"), agreement
+            assert "shadows: min_ttft, round_robin" in await page.inner_text("#running")
+            assert "B: least_load (50 %)" in await page.inner_text("#running")
+            for arm in ("A", "B"):
+                await page.wait_for_selector(f'#ab tr[data-arm="{arm}"]', timeout=10_000)
+                cached = await page.inner_text(f'#ab tr[data-arm="{arm}"] td:nth-child(3)')
+                assert cached[0].isdigit(), cached  # a value, not the empty mark
+            await page.wait_for_selector('#ab tr[data-arm="verdict"]')
+
+            async with aiohttp.ClientSession() as session:
+                change = {"name": "min_ttft"}
+                async with session.put(url + "/admin/policy", json=change) as resp:
+                    assert resp.status == 200
+            await page.wait_for_function(
+                "document.querySelector('#changes tbody tr')?.textContent.includes('min_ttft')",
+                timeout=10_000,
+            )
+            await page.wait_for_function(
+                "document.getElementById('policy').textContent === 'min_ttft'", timeout=10_000
+            )
+            await page.screenshot(path=str(tmp_path / "dashboard-tuning.png"), full_page=True)
+            assert errors == []
         finally:
             await runner.cleanup()
