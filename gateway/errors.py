@@ -1,8 +1,9 @@
 """OpenAI-style JSON errors: the one error shape every gateway response uses.
 
 Contract: ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status as
-``code``. :class:`GatewayError` carries everything needed to build the response, so the
-request path raises and one place (the middleware in ``server.py``) renders and logs it,
+``code``, or OpenAI's own code where it has one (``model_not_found``).
+:class:`GatewayError` carries everything needed to build the response, so the request path
+raises and one place (the middleware in ``gateway.http.handlers``) renders and logs it,
 one line per error with the request id.
 """
 
@@ -42,6 +43,7 @@ class GatewayError(Exception):
         param: str | None = None,
         err_type: str | None = None,
         retry_after: float | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -49,10 +51,15 @@ class GatewayError(Exception):
         self.param = param
         self.err_type = err_type or _TYPES.get(status, "error")
         self.retry_after = retry_after
+        self.code = code
 
 
 def error_body(
-    status: int, message: str, err_type: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    err_type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
 ) -> bytes:
     return orjson.dumps(
         {
@@ -60,7 +67,7 @@ def error_body(
                 "message": message,
                 "type": err_type or _TYPES.get(status, "error"),
                 "param": param,
-                "code": status,
+                "code": code or status,
             }
         }
     )
@@ -74,13 +81,14 @@ def error_response(
     param: str | None = None,
     retry_after: float | None = None,
     headers: Mapping[str, str] | None = None,
+    code: str | None = None,
 ) -> web.Response:
     hdrs = dict(headers or {})
     if retry_after is not None:
         hdrs["Retry-After"] = str(max(1, round(retry_after)))
     return web.Response(
         status=status,
-        body=error_body(status, message, err_type, param),
+        body=error_body(status, message, err_type, param, code),
         content_type="application/json",
         headers=hdrs,
     )
@@ -94,6 +102,7 @@ def render(exc: GatewayError, headers: Mapping[str, str] | None = None) -> web.R
         param=exc.param,
         retry_after=exc.retry_after,
         headers=headers,
+        code=exc.code,
     )
 
 

@@ -170,8 +170,11 @@ class Router:
         status = 503
         try:
             for attempt in range(self._max_attempts):
-                workers = self.registry.candidates(excluded)
+                workers = self.registry.candidates(excluded, req.model)
                 if not workers:
+                    if attempt == 0 and _unknown_model(self.registry, req.model):
+                        status = 404
+                        raise _model_not_found(req.model)
                     break
                 choice = self.core.choose(req, workers, self.registry.clock(), call.exact)
                 worker = choice.worker
@@ -309,6 +312,22 @@ class Router:
             self._fwd.spawn(
                 relay.abort(self._fwd.session, worker.url, rid, self._abort_timeout, path)
             )
+
+
+def _unknown_model(registry: WorkerRegistry, model: str | None) -> bool:
+    """A model no worker serves, when the gateway routes by model (several behind it)."""
+    return model is not None and registry.multi_model() and not registry.serves_any(model)
+
+
+def _model_not_found(model: str | None) -> GatewayError:
+    """OpenAI's answer to an unknown model: 404, ``model_not_found``, naming it."""
+    return GatewayError(
+        404,
+        f"The model `{model}` does not exist or is not served by any worker.",
+        param="model",
+        err_type="invalid_request_error",
+        code="model_not_found",
+    )
 
 
 def _final_error(

@@ -104,7 +104,8 @@ def _models_metadata(body: Any) -> WorkerMetadata | None:
     entries = _model_entries(body)
     if not entries:
         return None
-    return WorkerMetadata(model=_str(entries[0].get("id")))
+    ids = [i for i in (_str(e.get("id")) for e in entries) if i]
+    return WorkerMetadata(model=ids[0] if ids else None, models=frozenset(ids))
 
 
 # --- the kinds -------------------------------------------------------------------------
@@ -153,8 +154,10 @@ class LlamaCppKind:
             return None
         settings = body.get("default_generation_settings")
         n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, dict) else None
+        names = [n for n in (_str(body.get("model_alias")), _str(body.get("model_path"))) if n]
         return WorkerMetadata(
-            model=_str(body.get("model_alias")) or _str(body.get("model_path")),
+            model=names[0] if names else None,
+            models=frozenset(names),
             capacity_tokens=slots * n_ctx if n_ctx else None,
             max_sequences=slots,
         )

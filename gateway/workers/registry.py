@@ -43,7 +43,9 @@ class HealthFlag(enum.Enum):
 class WorkerMetadata:
     """What the worker tells about itself (read per kind: ``gateway.workers.kinds``)."""
 
-    model: str | None = None
+    model: str | None = None  # the name it serves under (served_model_name, else its path)
+    # every name a request may use for it (served name, model path, /v1/models ids)
+    models: frozenset[str] = frozenset()
     capacity_tokens: int | None = None  # max_total_num_tokens
     page_size: int | None = None
     max_sequences: int | None = None  # prompts it keeps cached when slots bind (llama.cpp)
@@ -127,6 +129,11 @@ class Worker:
     @property
     def draining(self) -> bool:
         return HealthFlag.DRAINING in self.flags
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for ``model`` may come here (by any name the worker told)."""
+        meta = self.metadata
+        return model == meta.model or model in meta.models
 
     def view(
         self,
@@ -241,11 +248,28 @@ class WorkerRegistry:
     def healthy_count(self) -> int:
         return sum(1 for w in self._workers.values() if not w.flags)
 
-    def candidates(self, excluded: Sequence[str] = ()) -> list[Worker]:
-        """Routable workers not in ``excluded``; every non-draining one in panic."""
-        workers = self._workers.values()
+    def served_models(self) -> set[str]:
+        """The models the workers said they serve (one name each: ``metadata.model``)."""
+        return {w.metadata.model for w in self._workers.values() if w.metadata.model}
+
+    def multi_model(self) -> bool:
+        """More than one model behind the gateway: requests are routed by ``model``.
+        With one (or none told), any ``model`` string goes to any worker, as a
+        single-model SGLang fleet behind sglang-router accepts it."""
+        return len(self.served_models()) > 1
+
+    def serves_any(self, model: str) -> bool:
+        return any(w.serves(model) for w in self._workers.values())
+
+    def candidates(self, excluded: Sequence[str] = (), model: str | None = None) -> list[Worker]:
+        """Routable workers not in ``excluded``; every non-draining one in panic. With
+        several models behind the gateway, only workers serving ``model`` (the health
+        and panic rules apply among them)."""
+        workers: Sequence[Worker] = list(self._workers.values())
+        if model is not None and self.multi_model():
+            workers = [w for w in workers if w.serves(model)]
         healthy = [w for w in workers if not w.flags and w.id not in excluded]
-        if healthy and len(healthy) >= self._panic_threshold * len(self._workers):
+        if healthy and len(healthy) >= self._panic_threshold * len(workers):
             return healthy
         panic = [w for w in workers if not w.draining and w.id not in excluded]
         # Healthy ones first: a policy that breaks ties by order prefers them.

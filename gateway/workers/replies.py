@@ -30,8 +30,10 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
         if isinstance(states, list) and states and isinstance(states[0], Mapping):
             capacity = states[0].get("max_total_num_tokens")
     page = info.get("page_size")
+    names = (info.get("served_model_name"), info.get("model_path"))
     return WorkerMetadata(
         model=model if isinstance(model, str) else None,
+        models=frozenset(n for n in names if isinstance(n, str) and n),
         capacity_tokens=capacity if isinstance(capacity, int) and capacity > 0 else None,
         page_size=page if isinstance(page, int) and page > 0 else None,
     )
