@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 EXTRAS ?= dev,loadtest,engine
 
-.PHONY: install test demo demo-real lint bench browser-deps clean
+.PHONY: install test demo demo-real lint bench browser-deps promtool-deps clean
 
 install: $(STAMP)
 
@@ -28,7 +28,11 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 browser-deps:
 	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
-test: install browser-deps
+# promtool (Debian's prometheus package) for the alerting rules' tests (deploy/prometheus).
+promtool-deps:
+	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: install browser-deps promtool-deps
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache

@@ -13,6 +13,10 @@ each family's type (counters ``_total``; histograms ``_bucket``, ``_sum``, ``_co
 family with no sample yet still counts. Label matchers must name labels the scraped series
 carry, or ``instance``/``job`` (added by Prometheus), for series with samples in the scrape.
 A metric or label renamed in the gateway, or a typo in a rule or panel, fails here.
+
+With ``promtool`` (``make test`` installs Debian's ``prometheus`` package for it): the rule
+file passes ``promtool check rules``, and each rule's expression, read from the file, is
+evaluated on synthetic series by ``promtool test rules``: exactly the expected series alert.
 """
 
 from __future__ import annotations
@@ -265,9 +269,133 @@ def test_dashboard_is_well_formed_and_covers_the_topics() -> None:
         assert metric in used, metric
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool absent (Debian: prometheus)")
+NO_PROMTOOL = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool absent (Debian's prometheus package)"
+)
+
+
+@NO_PROMTOOL
 def test_promtool_accepts_the_rules() -> None:
     done = subprocess.run(
         ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# Which series each rule's expression selects, on synthetic series (1-minute samples):
+# (alert, input series -> values in promtool's expanding notation, minute of evaluation,
+# the (instance, worker) pairs expected to alert; "" where the expression has no worker).
+ALERT_CASES: list[tuple[str, dict[str, str], int, set[tuple[str, str]]]] = [
+    ("GatewayNoHealthyWorker", {
+        'gateway_worker_healthy{instance="gw1",worker="a"}': "0x5",
+        'gateway_worker_healthy{instance="gw1",worker="b"}': "0x5",
+        'gateway_worker_healthy{instance="gw2",worker="a"}': "1x5",
+        'gateway_worker_healthy{instance="gw2",worker="b"}': "0x5",
+    }, 5, {("gw1", "")}),
+    ("GatewayWorkerUnhealthy", {  # a is drained on purpose, b is sick, c is fine
+        'gateway_worker_healthy{instance="gw1",worker="a"}': "0x5",
+        'gateway_worker_health_flag{instance="gw1",worker="a",flag="draining"}': "1x5",
+        'gateway_worker_healthy{instance="gw1",worker="b"}': "0x5",
+        'gateway_worker_health_flag{instance="gw1",worker="b",flag="draining"}': "0x5",
+        'gateway_worker_healthy{instance="gw1",worker="c"}': "1x5",
+        'gateway_worker_health_flag{instance="gw1",worker="c",flag="draining"}': "0x5",
+    }, 5, {("gw1", "b")}),
+    ("GatewayWorkerEjectionsRepeated", {  # a: 4 ejections in 15 min, b: 1
+        'gateway_worker_ejections_total{instance="gw1",worker="a"}': "0 1 2 3 4x15",
+        'gateway_worker_ejections_total{instance="gw1",worker="b"}': "0 1x18",
+    }, 15, {("gw1", "a")}),
+    ("GatewayUpstreamErrorsHigh", {  # gw1: 10 of 100 attempts fail, gw2: 1 of 100
+        'gateway_upstream_errors_total{instance="gw1",worker="a",kind="http_5xx"}': "0+10x10",
+        'gateway_routing_decisions_total{instance="gw1",policy="p",reason="r"}': "0+100x10",
+        'gateway_upstream_errors_total{instance="gw2",worker="a",kind="connect"}': "0+1x10",
+        'gateway_routing_decisions_total{instance="gw2",policy="p",reason="r"}': "0+100x10",
+    }, 10, {("gw1", "")}),
+    ("GatewaySharedStateDegraded", {
+        'gateway_shared_state_degraded{instance="gw1"}': "1x5",
+        'gateway_shared_state_degraded{instance="gw2"}': "0x5",
+    }, 5, {("gw1", "")}),
+    ("GatewayExactModeDegraded", {
+        'gateway_index_mode{instance="gw1",worker="a",mode="degraded"}': "1x5",
+        'gateway_index_mode{instance="gw1",worker="a",mode="exact"}': "0x5",
+        'gateway_index_mode{instance="gw1",worker="b",mode="degraded"}': "0x5",
+        'gateway_index_mode{instance="gw1",worker="b",mode="exact"}': "1x5",
+    }, 5, {("gw1", "a")}),
+    ("GatewayAdmissionRejecting", {  # gw1: 10 of 100 refused, gw2: none
+        'gateway_admission_rejections_total{instance="gw1",reason="queue_full"}': "0+10x10",
+        'gateway_requests_total{instance="gw1",worker="none",route="/r",status="429"}': "0+10x10",
+        'gateway_requests_total{instance="gw1",worker="a",route="/r",status="200"}': "0+90x10",
+        'gateway_admission_rejections_total{instance="gw2",reason="queue_full"}': "0x10",
+        'gateway_requests_total{instance="gw2",worker="a",route="/r",status="200"}': "0+90x10",
+    }, 10, {("gw1", "")}),
+    ("GatewayTimeToFirstTokenHigh", {  # gw1: every TTFT in (1, 2.5] s; gw2: all under 1 s
+        'gateway_time_to_first_token_seconds_bucket{instance="gw1",worker="a",le="1.0"}': "0x10",
+        'gateway_time_to_first_token_seconds_bucket{instance="gw1",worker="a",le="2.5"}':
+            "0+60x10",
+        'gateway_time_to_first_token_seconds_bucket{instance="gw1",worker="a",le="+Inf"}':
+            "0+60x10",
+        'gateway_time_to_first_token_seconds_bucket{instance="gw2",worker="a",le="1.0"}':
+            "0+60x10",
+        'gateway_time_to_first_token_seconds_bucket{instance="gw2",worker="a",le="2.5"}':
+            "0+60x10",
+        'gateway_time_to_first_token_seconds_bucket{instance="gw2",worker="a",le="+Inf"}':
+            "0+60x10",
+    }, 10, {("gw1", "")}),
+    ("GatewayCapturedHitRateBelowAvailable", {
+        # gw1: captured 10 %, available 80 %: fires. gw2: captured 70 % of the half of its
+        # prompts with a report (streams without usage), available 80 %: silent (over all
+        # prompts it would read 35 %). gw3: no worker ever reported: no series, silent.
+        **{
+            f'gateway_worker_{name}_total{{instance="{gw}",worker="a"}}': f"0+{per_min}x20"
+            for gw, figures in {
+                "gw1": {"reported_cached_tokens": 10, "reported_prompt_tokens": 100},
+                "gw2": {"reported_cached_tokens": 35, "reported_prompt_tokens": 50},
+                "gw3": {},
+            }.items()
+            for name, per_min in {
+                **figures, "predicted_cached_tokens": 80, "prompt_tokens": 100,
+            }.items()
+        },
+    }, 20, {("gw1", "")}),
+]  # fmt: skip
+
+
+def test_every_alert_has_a_case() -> None:
+    assert {a for a, *_ in ALERT_CASES} == {r["alert"] for r in alert_rules()}
+
+
+@NO_PROMTOOL
+def test_alert_expressions_select_the_right_series(tmp_path: Path) -> None:
+    """promtool evaluates each rule's own expression (read from alerts.yaml) on synthetic
+    series: exactly the expected (instance, worker) pairs come out."""
+    exprs = {r["alert"]: str(r["expr"]) for r in alert_rules()}
+    tests = []
+    for alert, series, minute, expected in ALERT_CASES:
+        tests.append(
+            {
+                "interval": "1m",
+                "input_series": [{"series": k, "values": v} for k, v in series.items()],
+                "promql_expr_test": [
+                    {
+                        "expr": f"count by (instance, worker) ({exprs[alert]})",
+                        "eval_time": f"{minute}m",
+                        "exp_samples": [
+                            {
+                                "labels": "{"
+                                + ",".join(
+                                    f'{k}="{v}"' for k, v in (("instance", gw), ("worker", w)) if v
+                                )
+                                + "}",
+                                "value": 1,
+                            }
+                            for gw, w in sorted(expected)
+                        ],
+                    }
+                ],
+            }
+        )
+    path = tmp_path / "alerts_test.yaml"
+    path.write_text(yaml.safe_dump({"evaluation_interval": "1m", "tests": tests}))
+    done = subprocess.run(
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stdout + done.stderr
