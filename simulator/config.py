@@ -94,8 +94,14 @@ class SimConfig:
 class KVEventsConfig:
     """SGLang's ``--kv-events-config`` (``KVEventsConfig``), the fields the simulator uses.
 
-    An endpoint port of ``*`` or ``0`` binds an ephemeral port (tests); the descriptor
-    in ``/server_info`` reports the port actually bound.
+    ``bind`` (SGLang 0.5.23): the PUB socket binds the endpoint when true, connects to it
+    when false; unset, it binds a wildcard host (``*``, ``0.0.0.0``, ``::``), an
+    ``ipc://``/``inproc://`` address or an endpoint spelled with ``*`` anywhere, and
+    *connects* otherwise, so ``tcp://127.0.0.1:5557`` alone is a connecting publisher
+    (checked against the real server: ``tests/sglang``). The replay ROUTER always binds.
+    An endpoint port of ``*`` or ``0`` binds an ephemeral port (a simulator extension for
+    tests; SGLang would not advertise it); the descriptor in ``/server_info`` reports the
+    port actually bound.
     """
 
     publisher: str = "null"
@@ -104,6 +110,7 @@ class KVEventsConfig:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     topic: str = ""
+    bind: bool | None = None
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
@@ -118,6 +125,7 @@ class KVEventsConfig:
             buffer_steps=int(raw.get("buffer_steps", 10_000)),
             hwm=int(raw.get("hwm", 100_000)),
             topic=str(raw.get("topic", "")),
+            bind=None if raw.get("bind") is None else bool(raw["bind"]),
         )
         if cfg.publisher not in ("null", "zmq"):
             raise ValueError(f"unknown kv events publisher {cfg.publisher!r}")
@@ -128,3 +136,16 @@ class KVEventsConfig:
     @property
     def enabled(self) -> bool:
         return self.publisher == "zmq"
+
+    @property
+    def binds(self) -> bool:
+        """Whether the PUB socket binds (else it connects): ``bind``, or SGLang's rule."""
+        if self.bind is not None:
+            return self.bind
+        endpoint = self.endpoint
+        return (
+            "*" in endpoint
+            or "::" in endpoint
+            or "0.0.0.0" in endpoint
+            or endpoint.startswith(("ipc://", "inproc://"))
+        )

@@ -7,6 +7,9 @@ reference (SGLang serializes with orjson / pydantic in declaration order).
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -34,6 +37,25 @@ def error_object(message: str, err_type: str, code: int) -> dict[str, Any]:
 
 def openai_error(status: int, message: str, err_type: str | None = None) -> ApiError:
     return ApiError(status, error_object(message, err_type or str(status), status))
+
+
+def scheduler_abort_error(status: int, message: str) -> ApiError:
+    """A scheduler abort with a status on a non-streamed OpenAI request: 400 is raised as
+    a ``ValueError`` (``BadRequestError``), any other status as an ``HTTPException``
+    (type = the status as a string), as 0.5.23's ``_handle_abort_finish_reason``."""
+    return bad_request(message) if status == 400 else openai_error(status, message)
+
+
+def stream_error(message: str, status: int) -> bytes:
+    """The error event of a streamed chat or completions request that the scheduler aborted
+    with a status: ``create_streaming_error_response``, serialized by ``json.dumps`` (spaces
+    after separators, unlike the chunks), type = the status's name."""
+    try:
+        err_type = HTTPStatus(status).name
+    except ValueError:
+        err_type = str(status)
+    error = error_object(message, err_type, status)
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 def bad_request(message: str) -> ApiError:
@@ -123,10 +145,12 @@ def native_finish_reason(finish: Finish | None) -> dict[str, Any] | None:
         return {"type": "stop", "matched": finish.matched}
     if finish.kind == "length":
         return {"type": "length", "length": finish.length}
+    # 0.5.23 always carries status_code and err_type (null for a graceful abort: checked
+    # on the real server after /abort_request)
     reason: dict[str, Any] = {"type": "abort", "message": finish.message}
-    if finish.status_code is not None:
-        reason["status_code"] = finish.status_code
-        reason["err_type"] = HTTPStatus(finish.status_code).name
+    code = finish.status_code
+    reason["status_code"] = code
+    reason["err_type"] = None if code is None else finish.err_type or HTTPStatus(code).name
     return reason
 
 
@@ -148,8 +172,9 @@ def usage(
     cached_tokens: int,
     cache_report: bool,
 ) -> dict[str, Any]:
-    """``UsageInfo``: ``prompt_tokens_details`` only with ``--enable-cache-report`` and a hit."""
-    details = {"cached_tokens": cached_tokens} if cache_report and cached_tokens > 0 else None
+    """``UsageInfo``: ``prompt_tokens_details`` with ``--enable-cache-report``, hit or miss
+    (``{"cached_tokens": 0}`` on a miss, as the real 0.5.23 server reports), else null."""
+    details = {"cached_tokens": cached_tokens} if cache_report else None
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -190,8 +215,19 @@ def chat_response(
             }
         ],
         "usage": u,
-        "metadata": {"weight_version": WEIGHT_VERSION},
+        "metadata": metadata(u["completion_tokens"]),
     }
+
+
+def weight_versions(completion_tokens: int) -> list[dict[str, Any]]:
+    """0.5.23's spans of output tokens per weight version: one span here (weights never
+    change)."""
+    return [{"version": WEIGHT_VERSION, "start": 0, "end": completion_tokens}]
+
+
+def metadata(completion_tokens: int) -> dict[str, Any]:
+    """The non-streamed OpenAI responses' ``metadata`` (0.5.23 adds ``weight_versions``)."""
+    return {"weight_version": WEIGHT_VERSION, "weight_versions": weight_versions(completion_tokens)}
 
 
 def chat_chunk(
@@ -258,7 +294,7 @@ def completion_response(
         "model": model,
         "choices": choices,
         "usage": u,
-        "metadata": {"weight_version": WEIGHT_VERSION},
+        "metadata": metadata(u["completion_tokens"]),
     }
 
 
@@ -301,22 +337,56 @@ def generate_output(
     cached_tokens: int,
     e2e_latency: float | None,
     sent_ts: float | None,
+    timing: GenerateTiming | None = None,
 ) -> dict[str, Any]:
+    """``/generate``'s body (or one streamed chunk) in 0.5.23's key order.
+
+    Checked against the real server (``tests/sglang``): ``cached_tokens_details`` is null
+    (no HiCache), ``dp_rank`` null, ``weight_versions`` only once finished; with
+    ``--enable-metrics`` (``timing`` given) the scheduler's stamps come first and the
+    request's timings at finish. ``response_sent_to_client_ts`` is on every chunk.
+    """
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": native_finish_reason(finish),
         "prompt_tokens": prompt_tokens,
         "weight_version": WEIGHT_VERSION,
         "num_retractions": 0,
-        "reasoning_tokens": 0,
-        "completion_tokens": completion_tokens,
-        "cached_tokens": cached_tokens,
-        "cached_tokens_details": {"device": cached_tokens, "host": 0},
     }
+    if timing is not None:
+        meta["storage_prefetch_wait"] = 0.0
+        meta["storage_staging_wait"] = 0.0
+        meta["forward_entry_time"] = timing.received_ts
+        meta["prefill_finished_time"] = timing.received_ts + timing.ttft_s
+        meta["queue_time"] = 0.0
+    meta["reasoning_tokens"] = 0
+    meta["completion_tokens"] = completion_tokens
+    meta["cached_tokens"] = cached_tokens
+    if e2e_latency is not None:
+        meta["weight_versions"] = weight_versions(completion_tokens)
+    meta["cached_tokens_details"] = None
+    meta["dp_rank"] = None
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
-        meta["response_sent_to_client_ts"] = sent_ts
+        if timing is not None:
+            meta["request_received_ts"] = timing.received_ts
+            meta["first_token_latency"] = timing.ttft_s
+            meta["api_server_dispatch_finish_ts"] = timing.received_ts
+    meta["response_sent_to_client_ts"] = sent_ts if sent_ts is not None else time.time()
+    if e2e_latency is not None and timing is not None:
+        meta["request_finished_ts"] = timing.received_ts + e2e_latency
+        decode_s = e2e_latency - timing.ttft_s
+        meta["decode_throughput"] = completion_tokens / decode_s if decode_s > 0 else 0.0
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateTiming:
+    """The stamps ``/generate`` reports with ``--enable-metrics``: wall-clock arrival and
+    the modelled time to first token (0 until the first token)."""
+
+    received_ts: float
+    ttft_s: float
 
 
 def generate_stream_error(message: str) -> bytes:

@@ -16,7 +16,10 @@ What a subscriber sees is what SGLang 0.5.23 publishes:
   own derivation: SGLang's ``kv_event_namespace_seed`` was not byte-verified;
 * coalescing (§4.3): consecutive stores forming a parent chain with the same block size,
   salt and LoRA merge into one event; consecutive removes merge;
-* a replay ROUTER (§4.5) answering ``[id, b"", start_seq8]`` with every buffered batch
+* the PUB socket binds or connects by SGLang 0.5.23's rule (``KVEventsConfig.binds``:
+  ``"bind": true``, or a wildcard endpoint, binds; ``tcp://127.0.0.1:5557`` alone
+  connects, and then a subscriber must bind that address);
+* a replay ROUTER (§4.5, always bound) answering ``[id, b"", start_seq8]`` with every buffered batch
   ``seq >= start`` then the terminator ``seq8 = 2**64-1``.
 
 Batching: the cache listener queues events; the first event of a model step schedules
@@ -315,8 +318,13 @@ class KVEventPublisher:
         pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
         self._pub = pub
-        pub.bind(offset_endpoint(self.config.endpoint, self._offset))
-        self.port = _bound_port(pub)
+        endpoint = offset_endpoint(self.config.endpoint, self._offset)
+        if self.config.binds:
+            pub.bind(endpoint)
+            self.port = _bound_port(pub)
+        else:  # as SGLang: a concrete host without "bind": true is dialled, not bound
+            pub.connect(endpoint)
+            self.port = int(endpoint.rpartition(":")[2])
         if self.config.replay_endpoint:
             router = ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)

@@ -230,8 +230,8 @@ def render(
         labels = {**base, "cache_source": source}
         lines.append(f"{name}{_labels(labels)} {floatToGoString(value)}")
     name = "sglang:num_aborted_requests_total"
-    _family(lines, name, "counter", "Number of requests aborted.")
-    if requests.aborted is not None:
+    if requests.aborted is not None:  # the real server shows the family from the 1st abort
+        _family(lines, name, "counter", "Number of requests aborted.")
         lines.append(f"{name}{_labels(base)} {floatToGoString(requests.aborted)}")
 
     name = "sglang:time_to_first_token_seconds"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -56,6 +57,7 @@ class RequestHandle:
         "log_metrics",
         "output_ids",
         "prompt_tokens",
+        "received_ts",
         "rid",
         "stream",
     )
@@ -74,6 +76,7 @@ class RequestHandle:
         self.stream = stream
         self.log_metrics = log_metrics
         self.arrival = arrival
+        self.received_ts = time.time()  # wall clock, for /generate's stamps
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.output_ids: list[int] | tuple[int, ...] = ()

@@ -195,6 +195,12 @@ class RadixState:
         self.metrics_snapshot = self.stats(0.0)
         self.load_snapshot = self.metrics_snapshot
 
+    @property
+    def max_req_input_len(self) -> int:
+        """The longest prompt the scheduler takes is one token shorter than this (0.5.23:
+        ``min(context_length - 1, max_total_num_tokens - 1) - 5``)."""
+        return min(self.profile.context_length - 1, self.cache.capacity - 1) - 5
+
     # ------------------------------------------------------------------ requests
     def submit(self, req: SimRequest, now: float) -> None:
         """Queue a request (a later ``step`` admits it)."""
@@ -208,17 +214,25 @@ class RadixState:
         prompt_len = len(key) // TOKEN_BYTES
         if prompt_len == 0:
             raise ValueError("The prompt is empty.")
-        # SGLang's scheduler: a request must fit the pool; max_new_tokens is clipped to it
+        # SGLang's scheduler: a request must fit the pool; max_new_tokens is clipped to it.
+        # A longer prompt is aborted by the scheduler with a 400 (validate_input_length),
+        # not refused before queueing: a stream gets its error as an event.
         max_req_len = min(self.profile.context_length - 1, self.cache.capacity - 1)
-        if prompt_len >= max_req_len:
-            raise ValueError(
-                f"Input length ({prompt_len} tokens) exceeds the maximum allowed length "
-                f"({max_req_len} tokens)."
-            )
-        limit = min(max(req.max_new_tokens, 0), max_req_len - prompt_len - 1)
+        max_input = self.max_req_input_len
+        too_long = prompt_len >= max_input
+        limit = 0 if too_long else min(max(req.max_new_tokens, 0), max_req_len - prompt_len - 1)
         output, eos = planned_output(req, key, limit, self.seed, self.output_source)
         r = ReqState(req, key, output, now, limit, eos)
         self._by_rid[r.rid] = r
+        if too_long:
+            message = (
+                f"Input length ({prompt_len} tokens) exceeds the maximum allowed length "
+                f"({max_input} tokens). Use a shorter input or enable --allow-auto-truncate."
+            )
+            abort = Finish("abort", 0, message=message, status_code=400, err_type="BadRequestError")
+            self._finish(r, abort, now)
+            self.counters.requests_submitted += 1
+            return
         self._enqueue(r)
         self.counters.requests_submitted += 1
 

@@ -45,6 +45,7 @@ class Finish:
     matched: int | None = None  # EOS token id for "stop"
     message: str | None = None  # for "abort"
     status_code: int | None = None
+    err_type: str | None = None  # the reason's err_type (default: the status's name)
 
 
 @dataclass(slots=True)

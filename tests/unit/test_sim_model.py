@@ -255,8 +255,26 @@ def test_requests_are_clipped_to_fit_the_pool() -> None:
     model.submit(SimRequest("big", tokens(600, 50), max_new_tokens=4096), 0.0)
     _, outputs, _ = drive(model)
     assert finish_of(outputs, "big").completion_tokens == 999 - 600 - 1
-    with pytest.raises(ValueError, match="exceeds the maximum allowed length"):
-        model.submit(SimRequest("huge", tokens(999, 51), max_new_tokens=1), 0.0)
+
+
+def test_a_prompt_the_pool_cannot_take_is_aborted_by_the_scheduler() -> None:
+    """As SGLang 0.5.23 (checked on the real server, tests/sglang): a prompt of at least
+    ``min(context - 1, capacity - 1) - 5`` tokens is queued, then aborted with a 400 and
+    ``validate_input_length``'s message; one token shorter runs."""
+    model = WorkerModel(H100, capacity_tokens=1000)
+    assert model.max_req_input_len == 994
+    model.submit(SimRequest("huge", tokens(994, 51), max_new_tokens=1), 0.0)
+    model.submit(SimRequest("fits", tokens(993, 52), max_new_tokens=1), 0.0)
+    _, outputs, _ = drive(model)
+    huge = finish_of(outputs, "huge").finish
+    assert huge is not None and huge.kind == "abort" and huge.status_code == 400
+    assert huge.err_type == "BadRequestError"
+    assert huge.message == (
+        "Input length (994 tokens) exceeds the maximum allowed length (994 tokens). "
+        "Use a shorter input or enable --allow-auto-truncate."
+    )
+    fits = finish_of(outputs, "fits").finish
+    assert fits is not None and fits.kind == "length"
 
 
 def test_mixed_chunk_steps() -> None:

@@ -129,9 +129,15 @@ class InfoRoutes(SGLangCore):
                 **args,
                 "status": "ready",
                 "max_total_num_tokens": capacity,
-                "max_req_input_len": min(self.context_length - 1, capacity - 1),
-                "startup_time": self._started,
-                "hicache_object_layout": None,
+                "max_req_input_len": self.engine.max_req_input_len,
+                "startup_time": self._startup_timings(),
+                "hicache_object_layout": {
+                    "enabled": False,
+                    "backend": None,
+                    "page_size": self.config.page_size,
+                    "hicache_object_layout": {"pools": []},
+                    "reason": "Hierarchical cache is disabled",
+                },
                 "internal_states": [internal],
                 "version": SGLANG_VERSION,
                 "frontend": "python",
@@ -139,6 +145,22 @@ class InfoRoutes(SGLangCore):
                 "kv_events": self.kv_events.descriptor() if self.kv_events else None,
             }
         )
+
+    def _startup_timings(self) -> dict[str, Any]:
+        """0.5.23's ``startup_time``: seconds per start-up phase (a dict, not a timestamp).
+        ``tokenizer_e2e`` carries this start's sub-second wall time, so a restarted worker
+        reports another value (the gateway compares it to notice restarts)."""
+        graph = dict.fromkeys(
+            ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend"),
+            0.0,
+        )
+        return {
+            "load_weight": 0.0,
+            "kv_cache_allocation": 0.0,
+            "scheduler_e2e": 0.0,
+            "cuda_graph": graph,
+            "tokenizer_e2e": round(self._started % 1.0, 6),
+        }
 
     async def _model_info(self, request: web.BaseRequest) -> web.StreamResponse:
         cfg = self.config

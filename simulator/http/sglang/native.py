@@ -97,6 +97,8 @@ class NativeRoutes(SGLangCore):
         outputs = []
         for handle in handles:
             finish = handle.finish
+            if finish is not None and finish.status_code == 400:  # raised as a ValueError
+                return json_response({"error": {"message": finish.message or "aborted"}}, 400)
             if finish is not None and finish.status_code is not None:
                 raise api.openai_error(finish.status_code, finish.message or "aborted")
             outputs.append(self._generate_body(handle, handle.completion_tokens))
@@ -117,8 +119,15 @@ class NativeRoutes(SGLangCore):
             completion_tokens=n,
             cached_tokens=handle.cached_tokens,
             e2e_latency=e2e,
-            sent_ts=time.time() if done else None,
+            sent_ts=time.time(),
+            timing=self._timing(handle) if self.config.enable_metrics else None,
         )
+
+    @staticmethod
+    def _timing(handle: RequestHandle) -> api.GenerateTiming:
+        first = handle.first_token_time
+        ttft = round(first - handle.arrival, 6) if first is not None else 0.0
+        return api.GenerateTiming(received_ts=handle.received_ts, ttft_s=ttft)
 
     async def _generate_stream(
         self, request: web.BaseRequest, gen: GenRequest

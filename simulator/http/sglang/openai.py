@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import random
 import time
-from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -77,9 +76,14 @@ class OpenAIRoutes(SGLangCore):
         rid = gen.rid
         with self._aborting_on_exit(handle):
             await handle.wait()  # SGLang pre-fetches the first output before answering
-            self._raise_for_status(handle.finish if handle.completion_tokens == 0 else None)
             resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
             await resp.prepare(request)
+            first = handle.finish if handle.completion_tokens == 0 else None
+            if first is not None and first.status_code is not None:
+                # a scheduler abort with a status as the first output: an error event only
+                await resp.write(api.stream_error(first.message or "aborted", first.status_code))
+                await resp.write(api.DONE)
+                return resp
             role = {"reasoning_content": None, "role": "assistant", "content": ""}
             await resp.write(api.chat_chunk(rid, created, model, role))
             chunks = 1
@@ -102,10 +106,7 @@ class OpenAIRoutes(SGLangCore):
                 await handle.wait()
             finish = handle.finish
             if finish is not None and finish.status_code is not None:
-                status = finish.status_code
-                message = finish.message or "aborted"
-                error = api.error_object(message, _status_name(status), status)
-                await resp.write(api.sse({"error": error}))
+                await resp.write(api.stream_error(finish.message or "aborted", finish.status_code))
             else:
                 await resp.write(
                     api.chat_chunk(rid, created, model, {"reasoning_content": None}, finish)
@@ -155,7 +156,7 @@ class OpenAIRoutes(SGLangCore):
     def _raise_for_status(finish: Finish | None) -> Finish | None:
         """A scheduler abort with a status code is an HTTP error (non-streaming)."""
         if finish is not None and finish.kind == "abort" and finish.status_code is not None:
-            raise api.openai_error(finish.status_code, finish.message or "aborted")
+            raise api.scheduler_abort_error(finish.status_code, finish.message or "aborted")
         return finish
 
     def _usage(self, handle: RequestHandle, completion: int | None = None) -> dict[str, Any]:
@@ -257,12 +258,8 @@ class OpenAIRoutes(SGLangCore):
                     sent = n
                     finish = handle.finish if handle.done else None
                     if finish is not None and finish.status_code is not None:
-                        error = api.error_object(
-                            finish.message or "aborted",
-                            _status_name(finish.status_code),
-                            finish.status_code,
-                        )
-                        await resp.write(api.sse({"error": error}))
+                        message = finish.message or "aborted"
+                        await resp.write(api.stream_error(message, finish.status_code))
                         break
                     u = self._usage(handle, n) if continuous else None
                     choice = api.completion_choice(0, text, finish)
@@ -310,13 +307,6 @@ class OpenAIRoutes(SGLangCore):
         return json_response(
             {"data": data, "model": self.config.model_path, "object": "list", "usage": u}
         )
-
-
-def _status_name(status: int) -> str:
-    try:
-        return HTTPStatus(status).name
-    except ValueError:
-        return str(status)
 
 
 def _embedding(ids: list[int], dim: int = 16) -> list[float]:
