@@ -16,7 +16,8 @@ Contract:
   timeout, hung up or answered something that is not HTTP/1.x before a final head). The
   request is written once: it is never sent again, on this connection or another, once
   its bytes were handed to a connection (the worker may have read it whole); a kept-alive
-  connection is reused only if nothing arrived on it while idle (no byte, no close).
+  connection is reused only if nothing arrived on it while idle (no byte, no close), as
+  the loop delivered it or as it waits in the kernel (one ``poll(2)`` before reuse).
 - The target must be origin-form (``/`` then visible ASCII), header names tokens and no
   value may hold CR, LF or NUL: else ``ValueError`` and nothing is sent.
 - Every wait (connect, head, body) ends at the request's ``deadline`` (loop time) with

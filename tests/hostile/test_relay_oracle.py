@@ -115,6 +115,9 @@ class _Transport:
     def is_closing(self) -> bool:
         return self.closing
 
+    def get_extra_info(self, name: str) -> None:
+        return None  # no socket: nothing for the pool to poll
+
     def close(self) -> None:
         self.closing = True
 
