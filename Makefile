@@ -28,9 +28,14 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 browser-deps:
 	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
-# promtool (Debian's prometheus package) for the alerting rules' tests (deploy/prometheus).
+# promtool for the alerting rules' tests (deploy/prometheus): unpacked from Debian's
+# prometheus package into .cache/promtool, never installed (so no Prometheus service is
+# ever started, on any host).
+PROMTOOL := .cache/promtool/usr/bin/promtool
 promtool-deps:
-	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@command -v promtool >/dev/null || test -x $(PROMTOOL) || { \
+	  $(SUDO) apt-get update -qq && mkdir -p .cache/promtool && cd .cache/promtool && \
+	  apt-get download -qq prometheus && dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb; }
 
 test: install browser-deps promtool-deps
 	$(PY) -m ruff check .
