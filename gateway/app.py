@@ -293,24 +293,43 @@ def _loops(
     return loops
 
 
+def _pool(config: GatewayConfig) -> UpstreamPool:
+    s = config.server
+    return UpstreamPool(
+        s.connect_timeout_s,
+        max_idle_per_worker=s.connections_per_worker,
+        first_byte_timeout_s=s.first_byte_timeout_s,
+        read_idle_timeout_s=s.stream_idle_timeout_s,
+        client_write_timeout_s=s.client_write_timeout_s,
+        max_body_bytes=s.max_response_size,
+        max_event_bytes=s.max_event_size,
+    )
+
+
+def _policy_control(
+    config: GatewayConfig, core: RoutingCore, telemetry: Telemetry, snapshot: RegistrySnapshot
+) -> tuning.PolicyControl:
+    """Live policy changes over ``core``; the dashboard's policy name follows them."""
+
+    def changed(new: PolicySet) -> None:
+        snapshot.policy = new.live.name
+
+    return tuning.PolicyControl(config.policy, core, make_policy_set, telemetry.tuning, changed)
+
+
 async def _runtime(
     app: web.Application, policies: PolicySet, rng: random.Random
 ) -> AsyncIterator[None]:
+    """The runtime's whole life in one place (~70 lines, on purpose): what is built here
+    is torn down in the ``finally`` in reverse order, and reading both halves side by
+    side is how one checks nothing is left running."""
     config = app[app_keys.CONFIG]
     registry = app[app_keys.REGISTRY]
     telemetry = app[app_keys.TELEMETRY]
     session = _session(config)
     routing = _routing_state(config, registry)
     index = routing.index
-    pool = UpstreamPool(
-        config.server.connect_timeout_s,
-        max_idle_per_worker=config.server.connections_per_worker,
-        first_byte_timeout_s=config.server.first_byte_timeout_s,
-        read_idle_timeout_s=config.server.stream_idle_timeout_s,
-        client_write_timeout_s=config.server.client_write_timeout_s,
-        max_body_bytes=config.server.max_response_size,
-        max_event_bytes=config.server.max_event_size,
-    )
+    pool = _pool(config)
     health = HealthChecker(config.health, registry, session)
     load = LoadPoller(config.load, registry, session, config.health.timeout_s)
     outlier = OutlierDetector(config.outlier, registry, registry.clock)
@@ -343,13 +362,7 @@ async def _runtime(
         routing.tokens,
         ttft_estimate(),
     )
-
-    def changed(new: PolicySet) -> None:
-        snapshot.policy = new.live.name
-
-    app[tuning.POLICY_CONTROL] = tuning.PolicyControl(
-        config.policy, core, make_policy_set, telemetry.tuning, changed
-    )
+    app[tuning.POLICY_CONTROL] = _policy_control(config, core, telemetry, snapshot)
     app[app_keys.ROUTER] = Router(
         config=config,
         registry=registry,

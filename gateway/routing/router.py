@@ -216,6 +216,9 @@ class Router:
     async def _attempt(
         self, call: _Call, choice: Choice, record: DecisionRecord, final: bool, attempt: int
     ) -> web.StreamResponse:
+        """One attempt on one worker. Over 60 lines on purpose: the slot ticket, the lease
+        and the upstream connection are each released on every exit, and one try/finally
+        that shows all three is easier to check than three helpers that each hold one."""
         req, worker = call.req, choice.worker
         rid = req.rid or call.request_id
         # held only for a policy that routes by the match (not for shadows' sake)
