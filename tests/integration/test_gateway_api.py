@@ -123,14 +123,15 @@ async def test_unknown_fields_and_request_id_reach_worker(
         seen = (await sim_stats(client, fleet.urls[0]))["last_request_body"]
         assert seen["my_extension"] == {"nested": [1, 2.5, "x"]}
         assert seen["chat_template_kwargs"] == {"enable_thinking": False}
-        assert seen["rid"] == "req-abc-123"
+        # the worker's rid is the gateway's own, not the client's request id (issue 16)
+        assert seen["rid"] != "req-abc-123" and len(seen["rid"]) == 32
         assert {k: v for k, v in seen.items() if k != "rid"} == body
         # sglang-router's other request-id headers are honoured too
         async with client.post(
             gw.url + "/v1/chat/completions", json=CHAT, headers={"x-correlation-id": "corr-9"}
         ) as resp:
             assert resp.headers["x-request-id"] == "corr-9"
-        assert (await sim_stats(client, fleet.urls[0]))["last_request_body"]["rid"] == "corr-9"
+        assert (await sim_stats(client, fleet.urls[0]))["last_request_body"]["rid"] != "corr-9"
 
 
 async def test_models_aggregated_and_deduplicated(
