@@ -93,20 +93,7 @@ class RouteRequest:
     block_chars: int = 64  # block size the hashes were cut with
     rid_in_body: bool = False  # the body has a non-null rid (string, or a list for batches)
     tokens_exact: bool = False  # the prompt is token ids: prompt_tokens is exact
-
-    def body_with_rid(self, rid: str) -> bytes:
-        """The original bytes with ``"rid"`` inserted as the object's last member.
-
-        Returns the body unchanged when it already carries a rid. Appending (rather than
-        prepending) means that a body with ``"rid": null`` still ends up with our rid under
-        JSON's usual last-key-wins rule.
-        """
-        if self.rid is not None or self.rid_in_body:
-            return self.body
-        # Only bytes are inserted, just before the closing brace: everything else stays.
-        close = self.body.rindex(b"}")
-        sep = b"" if self.body[:close].rstrip().endswith(b"{") else b","
-        return self.body[:close] + sep + b'"rid":' + orjson.dumps(rid) + self.body[close:]
+    batch: bool = False  # a list of prompts (SGLang wants a list of rids then, or none)
 
     def matched_tokens(self, blocks: int) -> int:
         """Tokens covered by ``blocks`` leading blocks of this prompt (estimate)."""
@@ -125,6 +112,7 @@ class _Prompt:
     tokens: int = 0
     extra: list[str] = field(default_factory=list)  # namespace parts found in the body
     exact: bool = False  # token ids: ``tokens`` is the count, not an estimate
+    batch: bool = False  # several prompts (a list)
 
 
 def parse_request(
@@ -156,6 +144,7 @@ def parse_request(
         block_chars=settings.block_chars,
         rid_in_body=rid_value is not None,
         tokens_exact=prompt.exact,
+        batch=prompt.batch,
     )
 
 
@@ -286,7 +275,8 @@ def _prompt_value(value: Any, param: str, settings: RequestSettings, allow_text:
     else:
         raise bad
     chars, tokens = sum(p.chars for p in parts), sum(p.tokens for p in parts)
-    return _Prompt(parts[0].data, chars, tokens, exact=all(p.exact for p in parts))
+    exact = all(p.exact for p in parts)
+    return _Prompt(parts[0].data, chars, tokens, exact=exact, batch=True)
 
 
 def _prompt_shape_message(param: str, allow_text: bool) -> str:

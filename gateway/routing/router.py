@@ -40,6 +40,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.forward import relay
 from gateway.forward.credentials import WorkerCredentials
+from gateway.forward.outbound import body_with_rid, new_rid
 from gateway.forward.upstream import UpstreamPool, UpstreamResponse
 from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
@@ -220,7 +221,9 @@ class Router:
         and the upstream connection are each released on every exit, and one try/finally
         that shows all three is easier to check than three helpers that each hold one."""
         req, worker = call.req, choice.worker
-        rid = req.rid or call.request_id
+        # the gateway's own rid: no client names (or aborts) another's work; a batch keeps
+        # its body (SGLang wants a list of rids for one), so it is never aborted by rid
+        rid = None if req.batch else new_rid()
         # held only for a policy that routes by the match (not for shadows' sake)
         gated = choice.indexed and choice.policy.uses_prefix_match
         slots = self._slots if gated else None
@@ -244,7 +247,7 @@ class Router:
             if slots is not None and ticket is not None and ticket.waiting is not None:
                 record.slot_wait_s = await slots.wait(ticket)  # counted in in-flight meanwhile
             sent_at = time.perf_counter()  # TTFT counts from dispatch, not from the head
-            upstream = await self._send(req, worker, rid, call.request)
+            upstream = await self._send(call, worker, rid)
             response, outcome = await relay.relay(
                 call.request,
                 upstream,
@@ -283,22 +286,28 @@ class Router:
             log.warning("request %s: worker %s failed mid-stream", call.request_id, worker.url)
         return response
 
-    async def _send(
-        self, req: RouteRequest, worker: Worker, rid: str, request: web.Request
-    ) -> UpstreamResponse:
+    async def _send(self, call: _Call, worker: Worker, rid: str | None) -> UpstreamResponse:
+        req, request = call.req, call.request
         extra = self.hooks.upstream_headers()
         if self._worker_auth:
             extra = {**extra, **self._worker_auth}
-        headers = relay.upstream_headers(request.headers, rid, extra, self._drop)
+        headers = relay.upstream_headers(request.headers, rid or call.request_id, extra, self._drop)
         deadline = asyncio.get_running_loop().time() + self._request_timeout
         aborts = kind_named(worker.kind).abort_path is not None
-        body = req.body_with_rid(rid) if aborts else req.body
+        has_rid = req.rid is not None or req.rid_in_body
+        body = req.body
+        if aborts and rid is not None:
+            body = body_with_rid(body, rid, has_rid=has_rid)
         return await relay.send(
             self._fwd.pool, worker.url, request.raw_path, body, headers, deadline
         )
 
     def _attempt_failed(
-        self, worker: Worker, rid: str, exc: relay.AttemptFailed, upstream: UpstreamResponse | None
+        self,
+        worker: Worker,
+        rid: str | None,
+        exc: relay.AttemptFailed,
+        upstream: UpstreamResponse | None,
     ) -> None:
         if exc.kind == "connect" or exc.kind == "dropped":
             self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
@@ -307,11 +316,11 @@ class Router:
         if exc.kind in ("dropped", *_TIMEOUTS):
             self._abort(worker, rid, upstream)  # it may still be working on it
 
-    def _abort(self, worker: Worker, rid: str, upstream: UpstreamResponse | None) -> None:
+    def _abort(self, worker: Worker, rid: str | None, upstream: UpstreamResponse | None) -> None:
         if upstream is not None:
             upstream.close()  # the only abort llama.cpp honours (streamed requests only)
         path = kind_named(worker.kind).abort_path
-        if path is not None:
+        if path is not None and rid is not None:
             self._fwd.spawn(
                 relay.abort(self._fwd.session, worker.url, rid, self._abort_timeout, path)
             )

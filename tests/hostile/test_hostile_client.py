@@ -236,6 +236,19 @@ async def test_body_without_rid_gets_the_gateways(scripted: StartWorker) -> None
     assert seen["rid"] != "mine" and {k: v for k, v in seen.items() if k != "rid"} == CHAT
 
 
+async def test_a_batch_keeps_its_body_and_no_client_rid_is_aborted(scripted: StartWorker) -> None:
+    """SGLang wants a list of rids for a batch: the gateway neither inserts its string rid
+    nor aborts the client's rids (they name nothing the gateway chose)."""
+    worker = await scripted(replies(http_response(b'[{"text":"x"},{"text":"y"}]')))
+    batches = [{"text": ["a b", "c d"], "rid": ["victim-1", "victim-2"]}, {"text": ["e", "f"]}]
+    async with gateway([worker]) as gw, ClientSession() as client:
+        for batch in batches:
+            async with client.post(gw.url + "/generate", json=batch) as r:
+                assert r.status == 200
+    assert [orjson.loads(x.body) for x in worker.inference] == batches
+    assert worker.aborts == []
+
+
 # --- huge and compressed bodies --------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.forward.outbound import body_with_rid
 from gateway.routing.hashing import block_hashes
 from gateway.routing.request import (
     ApiKind,
@@ -279,13 +280,17 @@ RID_BODIES = [
 ]
 
 
+def _with_rid(req: RouteRequest, rid: str) -> bytes:
+    return body_with_rid(req.body, rid, has_rid=req.rid is not None or req.rid_in_body)
+
+
 @pytest.mark.parametrize("body", RID_BODIES)
 def test_body_with_rid_inserts_only_the_rid(body: bytes) -> None:
     kind = ApiKind.CHAT if b"messages" in body else ApiKind.COMPLETIONS
     if b'"text"' in body:
         kind = ApiKind.GENERATE
     req = parse_request(kind, body, {}, S)
-    out = req.body_with_rid('r-"1\\')
+    out = _with_rid(req, 'r-"1\\')
     parsed = orjson.loads(out)
     assert parsed["rid"] == 'r-"1\\'
     original = orjson.loads(body)
@@ -302,16 +307,17 @@ def test_body_with_rid_inserts_only_the_rid(body: bytes) -> None:
 
 def test_body_with_rid_on_empty_object() -> None:
     req = RouteRequest(ApiKind.GENERATE, None, False, False, 0, 0, [], None, None, b"{ }")
-    assert req.body_with_rid("x") == b'{ "rid":"x"}'
+    assert _with_rid(req, "x") == b'{ "rid":"x"}'
 
 
-def test_body_with_existing_rid_unchanged() -> None:
+def test_a_clients_rid_is_replaced_and_batches_are_marked() -> None:
     body = b'{"prompt":"a","rid":"mine"}'
     req = parse_request(ApiKind.COMPLETIONS, body, {}, S)
-    assert req.rid == "mine" and req.body_with_rid("other") is body
+    assert req.rid == "mine" and orjson.loads(_with_rid(req, "ours"))["rid"] == "ours"
     batch = b'{"text":["a","b"],"rid":["r1","r2"]}'
     req = parse_request(ApiKind.GENERATE, batch, {}, S)
-    assert req.rid is None and req.body_with_rid("x") is batch
+    assert req.rid is None and req.batch  # the router leaves a batch's body as it came
+    assert not parse_request(ApiKind.GENERATE, b'{"text":"a"}', {}, S).batch
 
 
 def test_unknown_fields_untouched() -> None:
