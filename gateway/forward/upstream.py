@@ -48,6 +48,10 @@ Contract:
 
 Cost: one ``httptools`` parser per response (a C object); callbacks per header and per
 body piece; one deadline timer per response, one idle timer per streamed body.
+
+One module of ~640 lines on purpose: the connection's protocol, the pool and the response
+share one per-connection state (the parser, the read pause, the reuse check), and the
+rules above are only checkable where all three are in view.
 """
 
 from __future__ import annotations
