@@ -246,7 +246,10 @@ class KVEventsManager:
     def match(
         self, ids: Sequence[int] | None, namespace: Namespace, worker_ids: Iterable[str]
     ) -> dict[str, int]:
-        """Matched **tokens** for every given worker in exact mode (0 included)."""
+        """Matched **tokens** for every given worker in exact mode (0 included): the
+        leading blocks the worker holds, at most ``(len(ids) - 1) // block_size`` of them,
+        as SGLang's ``cached_tokens`` (an exact repeat of a 32-token prompt hits 16 on
+        page 16, not 32)."""
         out: dict[str, int] = {}
         now = self._clock()
         hashes_by_size: dict[int, list[int]] = {}
@@ -261,7 +264,9 @@ class KVEventsManager:
             if hashes is None:
                 hashes = hashes_by_size[size] = self.request_hashes(ids, namespace, size)
             n = 0
-            for h in hashes:
+            # SGLang computes at least the prompt's last token: a hit covers at most
+            # len - 1 tokens, in whole blocks (cached_tokens' semantics)
+            for h in hashes[: (len(ids) - 1) // size]:
                 if not (
                     self.index.holds(wid, h)
                     or (self.settings.hybrid and self.predicted.holds(wid, h, now))

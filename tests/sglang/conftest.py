@@ -11,19 +11,17 @@ the real server works here.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sglang_helpers import start_fleet
 
-from loadtests.engine.sglang_fleet import SGLangFleet, SGLangSettings
+from loadtests.engine.sglang_fleet import SGLangFleet
 from loadtests.engine.sglang_install import SGLangEnv, ensure_sglang
 from loadtests.engine.sglang_model import ensure_sglang_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MAX_TOTAL_TOKENS = 8192
-PAGE = 16
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -44,20 +42,6 @@ def sglang_env() -> SGLangEnv:
 def sglang_model(sglang_env: SGLangEnv) -> Path:
     """The tiny random-weights Llama directory (config, safetensors, tokenizer.json)."""
     return ensure_sglang_model(REPO_ROOT / ".cache", sglang_env.python).resolve()
-
-
-def start_fleet(
-    env: SGLangEnv,
-    model: Path,
-    kv_modes: list[str | None],
-    log_dir: Path,
-) -> contextlib.AbstractContextManager[SGLangFleet]:
-    """Servers with the given KV-event modes (one server each), started together."""
-    settings = [
-        SGLangSettings(env.python, model, MAX_TOTAL_TOKENS, PAGE, kv_events=mode)
-        for mode in kv_modes
-    ]
-    return SGLangFleet.start(len(settings), settings[0], log_dir=log_dir, per_server=settings)
 
 
 @pytest.fixture(scope="module")

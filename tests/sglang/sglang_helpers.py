@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from loadtests.engine.sglang_fleet import SERVED_MODEL_NAME
+from loadtests.engine.sglang_fleet import SERVED_MODEL_NAME, SGLangFleet, SGLangSettings
+from loadtests.engine.sglang_install import SGLangEnv
 from loadtests.engine.workload import syllable_text
 from simulator.fleet import SimConfig, SimulatedFleet
 
@@ -19,6 +21,16 @@ PAGE = 16
 CAPACITY = 8192
 CONTEXT = 32768  # the tiny model's max_position_embeddings
 TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+def start_fleet(
+    env: SGLangEnv, model: Path, kv_modes: list[str | None], log_dir: Path
+) -> contextlib.AbstractContextManager[SGLangFleet]:
+    """Real servers with the given KV-event modes (one server each), started together."""
+    settings = [
+        SGLangSettings(env.python, model, CAPACITY, PAGE, kv_events=mode) for mode in kv_modes
+    ]
+    return SGLangFleet.start(len(settings), settings[0], log_dir=log_dir, per_server=settings)
 
 
 def sim_config(kv_events_config: str | None = None) -> SimConfig:

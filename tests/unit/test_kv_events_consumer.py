@@ -251,18 +251,18 @@ async def test_modes_degrade_after_silence_and_return() -> None:
             mgr._states["w"] = _WorkerState(desc=desc)
             assert mgr.mode("w") == MODE_EXACT  # idle: silence is fine
             mgr.dispatched("w", _ids(8), NS0)
-            assert mgr.match(_ids(8), NS0, ["w"]) == {"w": 8}  # predicted (hybrid)
+            assert mgr.match(_ids(9), NS0, ["w"]) == {"w": 8}  # predicted (hybrid)
             now[0] = 1.5
             assert mgr.mode("w") == MODE_DEGRADED
-            assert mgr.match(_ids(8), NS0, ["w"]) == {}  # degraded: not answered here
+            assert mgr.match(_ids(9), NS0, ["w"]) == {}  # degraded: not answered here
             mgr._apply("w", 0, 0.0, [Stored([7, 8], None, _ids(8), 4)])
             assert mgr.mode("w") == MODE_EXACT
-            assert mgr.match(_ids(8), NS0, ["w"]) == {"w": 8}
-            assert mgr.match(_ids(8), (None, None, "k"), ["w"]) == {"w": 0}
+            assert mgr.match(_ids(9), NS0, ["w"]) == {"w": 8}
+            assert mgr.match(_ids(9), (None, None, "k"), ["w"]) == {"w": 0}
             mgr._gap_lost("w", 0)
             assert mgr.mode("w") == MODE_DEGRADED
             now[0] = 3.0
-            assert mgr.mode("w") == MODE_EXACT and mgr.match(_ids(8), NS0, ["w"]) == {"w": 0}
+            assert mgr.mode("w") == MODE_EXACT and mgr.match(_ids(9), NS0, ["w"]) == {"w": 0}
         finally:
             await mgr.close()
 
@@ -284,6 +284,27 @@ async def test_prepared_request_and_fidelity() -> None:
             req.observe("w", MODE_EXACT, 8, 4)
             f = mgr.fidelity[("w", MODE_EXACT)]
             assert (f.requests, f.predicted_tokens, f.true_predicted_tokens) == (1, 8, 4)
+        finally:
+            await mgr.close()
+
+
+async def test_a_match_stops_one_token_short_of_the_prompt() -> None:
+    """As SGLang's ``cached_tokens`` (measured on the real server, tests/sglang): at most
+    ``(len - 1) // block_size`` blocks, so an exact repeat of a prompt of whole blocks
+    matches one block less than it holds."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        mgr = KVEventsManager(
+            KVEventsSettings(enabled=True, hybrid=False), load_tokenizer(SIM_TOKENIZER), list,
+            session,
+        )  # fmt: skip
+        try:
+            mgr._states["w"] = _WorkerState(desc=Descriptor("127.0.0.1", 1, "", 4, 1, None))
+            mgr._apply("w", 0, 0.0, [Stored([7, 8, 9], None, _ids(12), 4)])
+            assert [mgr.match(_ids(n), NS0, ["w"])["w"] for n in (3, 4, 5, 8, 9, 12, 13)] == [
+                0, 0, 4, 4, 8, 8, 12,
+            ]  # fmt: skip
         finally:
             await mgr.close()
 
