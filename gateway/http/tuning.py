@@ -4,8 +4,11 @@ arms, export recent traffic for the offline replay.
 Contract:
 - :class:`PolicyControl` applies a new ``policy`` section: validated as at start
   (``gateway.config.policy_config_from_dict``, then every policy of the set built by the
-  composition root's factory); a bad change raises ConfigError with the reason and the
-  running set stays; a good one is swapped into the routing core in one assignment
+  composition root's factory), then every policy of a second build of the set rehearses
+  a few decisions on made-up views (:func:`rehearse`): parameters the constructors accept
+  but ``select`` chokes on (a float ring size, an infinite or NaN factor) would otherwise
+  fail every request, a shadow's included. A bad change raises ConfigError with the
+  reason and the running set stays; a good one is swapped into the routing core in one assignment
   between two decisions (``RoutingCore.configure``). Every attempt is logged and counted
   (``gateway_policy_changes_total{result}``) and listed for the dashboard.
 - ``GET /admin/policy``: the running set and its config, and the recent changes.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,6 +41,7 @@ from gateway.errors import GatewayError
 from gateway.routing.decide import RoutingCore
 from gateway.routing.policy_set import PolicySet
 from gateway.telemetry.tuning import TuningTelemetry
+from policies.base import Policy, RouteContext, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +85,10 @@ class PolicyControl:
         return self.apply(cfg, source)
 
     def apply(self, cfg: PolicyConfig, source: str) -> PolicySet:
-        """Build and swap in ``cfg``'s policy set; ConfigError leaves the running one."""
+        """Build, rehearse and swap in ``cfg``'s policy set; ConfigError leaves the running
+        one."""
         try:
+            rehearse(self._build(cfg))  # a copy: the set swapped in starts with fresh state
             policies = self._build(cfg)
         except ConfigError as exc:
             self.refused(source, str(exc))
@@ -98,6 +105,48 @@ class PolicyControl:
     def refused(self, source: str, reason: str) -> None:
         self._tuning.changed(source, None, reason)
         log.warning("policy change refused (%s): %s", source, reason)
+
+
+def _rehearsal_contexts() -> list[RouteContext]:
+    """Made-up decisions covering the paths policies take: one candidate; idle workers and
+    no match nor key; loaded workers, partial matches and a routing key."""
+    rng = random.Random(0)
+    idle = [WorkerView("rehearsal-a"), WorkerView("rehearsal-b")]
+    busy = [
+        WorkerView("rehearsal-a", in_flight=0, matched_tokens=0),
+        WorkerView("rehearsal-b", in_flight=2, queued_prefill_tokens=64, matched_tokens=64),
+        WorkerView("rehearsal-c", in_flight=5, decoding_requests=3, matched_tokens=128),
+    ]
+
+    def ctx(views: list[WorkerView], key: str | None = None) -> RouteContext:
+        return RouteContext(
+            256, views, rng, key, prompt_chars=1024, block_hashes=(1, 2, 3, 4), block_chars=64
+        )
+
+    return [ctx(idle[:1]), ctx(idle), ctx(busy, "rehearsal")]
+
+
+def rehearse(policies: PolicySet) -> None:
+    """Run every policy of ``policies`` on a few made-up decisions; ConfigError names the
+    first that raises or picks a worker it was not offered. Mutates the policies' state:
+    rehearse a copy of the set that will route."""
+    named: list[tuple[str, Policy]] = [("policy.name", policies.live)]
+    named += [(f"policy.shadows[{i}]", p) for i, p in enumerate(policies.shadows)]
+    if policies.ab is not None:
+        named.append(("policy.ab_policy", policies.ab))
+    for where, policy in named:
+        for ctx in _rehearsal_contexts():
+            try:
+                decision = policy.select(ctx)
+            except Exception as exc:  # any policy bug: refused before it routes
+                raise ConfigError(
+                    f"{where}: {policy.name} fails on a test decision: {exc!r}"
+                ) from None
+            if decision.worker_id not in {v.id for v in ctx.candidates}:
+                raise ConfigError(
+                    f"{where}: {policy.name} picked {decision.worker_id!r} on a test decision, "
+                    "not one of its candidates"
+                )
 
 
 POLICY_CONTROL = web.AppKey("policy_control", PolicyControl)

@@ -18,7 +18,9 @@ Contract:
 - :class:`TraceLog` keeps recent successful requests as the offline replay reads a
   Mooncake trace: arrival time, chained block ids at 512-token granularity (every k-th of
   the gateway's block hashes, k from the request's own characters per token, and the
-  last one), prompt and output token counts as the worker reported them. Never text:
+  last one; at most ``MAX_TRACE_IDS`` per entry whatever count the worker reported, so
+  a worker claiming huge ``prompt_tokens`` cannot make the ring hold every block hash),
+  prompt and output token counts as the worker reported them. Never text:
   hashes and counts only (a hash of known text can still be confirmed, so the export is
   an admin route).
 
@@ -43,6 +45,8 @@ from gateway.routing.request import RouteRequest
 from gateway.telemetry.metrics import CounterVec, HistogramVec, PushCollector
 
 TRACE_BLOCK_TOKENS = 512  # the Mooncake traces' block size, which the replay reads
+# Block ids kept per trace entry: 1,024 blocks of 512 tokens is beyond any model's context.
+MAX_TRACE_IDS = 1024
 _Z95 = 1.96
 NO_DIFFERENCE = "no difference shown"
 
@@ -79,6 +83,7 @@ class TraceLog:
         chars_per_token = req.prompt_chars / tokens
         step = max(1, round(TRACE_BLOCK_TOKENS * chars_per_token / req.block_chars))
         hashes = req.block_hashes
+        step = max(step, math.ceil(len(hashes) / (MAX_TRACE_IDS - 1)))  # room for the last
         ids = hashes[step - 1 :: step]
         if not ids or ids[-1] != hashes[-1]:
             ids = [*ids, hashes[-1]]
