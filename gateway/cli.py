@@ -269,7 +269,8 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         overrides["policy.params"] = _policy_params(policy_args)
     try:
         config = config_from_dict(merge(base, overrides))
-        make_policy_set(config.policy)  # refuse bad policy parameters before starting
+        # refuse bad policy parameters, and a set that cannot decide, before starting
+        tuning.rehearse(make_policy_set(config.policy))
         return config
     except ConfigError as exc:
         raise ConfigError(_name_flag(exc)) from None

@@ -56,15 +56,20 @@ class _Ring:
         self.owners = [w for _, w in pairs]
 
 
+MAX_VIRTUAL_NODES = 10_000
+
+
 class ConsistentHashPolicy(Policy):
     name: ClassVar[str] = "consistent_hash"
     uses_routing_key: ClassVar[bool] = True
 
     def __init__(self, virtual_nodes: int = 160, load_factor: float = 1.25) -> None:
-        if virtual_nodes < 1:
-            raise ValueError("virtual_nodes must be at least 1")
-        if load_factor < 1.0:
-            raise ValueError("load_factor must be >= 1 (1 + epsilon)")
+        # an integer, and bounded: the ring holds virtual_nodes x workers points and is
+        # rebuilt on the request path when the fleet changes
+        if not isinstance(virtual_nodes, int) or not 1 <= virtual_nodes <= MAX_VIRTUAL_NODES:
+            raise ValueError(f"virtual_nodes must be an integer in 1..{MAX_VIRTUAL_NODES}")
+        if not math.isfinite(load_factor) or load_factor < 1.0:
+            raise ValueError("load_factor must be finite and >= 1 (1 + epsilon)")
         self._virtual_nodes = virtual_nodes
         self._load_factor = load_factor
         self._rings: dict[frozenset[str], _Ring] = {}

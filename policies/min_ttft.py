@@ -164,6 +164,13 @@ class MinTtftPolicy(Policy):
         affinity_s: float = 0.0,
         affinity_max_s: float = 5.0,
     ) -> None:
+        numbers = (work_weight, tolerance_s, tolerance_rel, load_factor, decode_request_s,
+                   hot_margin, exploit_ratio, affinity_factor, affinity_s,
+                   affinity_max_s)  # fmt: skip
+        if not all(math.isfinite(x) for x in numbers):
+            raise ValueError("every parameter must be a finite number")
+        if not isinstance(load_cap_floor, int) or not isinstance(share_window, int):
+            raise ValueError("load_cap_floor and share_window must be integers")
         if work_weight < 0 or tolerance_s < 0 or tolerance_rel < 0 or decode_request_s < 0:
             raise ValueError("weights and tolerances must be >= 0")
         if load_factor < 1.0 or load_cap_floor < 1:

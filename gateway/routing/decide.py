@@ -28,6 +28,7 @@ per candidate beyond its view.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.tokens import TokenAccounting
 from gateway.workers.registry import Worker
 from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
+
+log = logging.getLogger(__name__)
 
 
 class PrefixMatcher(Protocol):
@@ -118,6 +121,7 @@ class RoutingCore:
         self.rng = rng
         self.tokens = tokens
         self._ttft = ttft_estimate  # the common yardstick of shadow comparisons
+        self.shadow_failures: dict[str, int] = {}  # shadow policy -> selects that raised
 
     @property
     def policy(self) -> Policy:
@@ -182,7 +186,11 @@ class RoutingCore:
             choice.estimated_ttft_s = estimate(by_id[choice.worker.id], req.prompt_tokens)
         picks = []
         for shadow, rng in zip(policies.shadows, policies.shadow_rngs, strict=True):
-            d = self._select(req, choice.views, shadow, rng)
+            try:
+                d = self._select(req, choice.views, shadow, rng)
+            except Exception:  # a shadow never routes: its bug must not fail the request
+                self._shadow_failed(shadow.name)
+                continue
             view = by_id.get(d.worker_id, choice.views[0])
             est = None if estimate is None else estimate(view, req.prompt_tokens)
             agrees = view.id == choice.worker.id
@@ -190,6 +198,11 @@ class RoutingCore:
                 ShadowPick(shadow.name, view.id, d.reason, view.matched_tokens, est, agrees)
             )
         choice.shadows = tuple(picks)
+
+    def _shadow_failed(self, name: str) -> None:
+        self.shadow_failures[name] = self.shadow_failures.get(name, 0) + 1
+        if self.shadow_failures[name] in (1, 10, 100, 1000):  # logged, not per request
+            log.exception("shadow policy %s failed (%d times)", name, self.shadow_failures[name])
 
     def _select(
         self, req: RouteRequest, views: Sequence[WorkerView], policy: Policy, rng: random.Random

@@ -291,7 +291,8 @@ class Router:
         extra = self.hooks.upstream_headers()
         if self._worker_auth:
             extra = {**extra, **self._worker_auth}
-        headers = relay.upstream_headers(request.headers, rid or call.request_id, extra, self._drop)
+        # never the client's request id upstream, even for a batch (which has no rid)
+        headers = relay.upstream_headers(request.headers, rid or new_rid(), extra, self._drop)
         deadline = asyncio.get_running_loop().time() + self._request_timeout
         aborts = kind_named(worker.kind).abort_path is not None
         has_rid = req.rid is not None or req.rid_in_body

@@ -19,7 +19,10 @@ Contract:
   when a worker's estimate moves by more than ``retune`` (10 %) from the value last handed
   out, ``on_worker_ratio(worker_id, tokens_per_block)`` is called, so its capacity in
   blocks and the corrections from its ``cached_tokens`` are in its engine's tokens.
-- Each estimate is a ratio of exponentially weighted sums (characters / tokens, each
+- A model's estimate is the median of the estimates of the workers that answered it, so
+  one worker reporting nonsense (a hostile or broken one) moves only its own estimate,
+  never the ratio every other worker's requests are sized with.
+- Each worker's estimate is a ratio of exponentially weighted sums (characters / tokens, each
   observation weighted by its size, older ones decayed by ``decay`` per observation),
   started from the configured prior (``request.chars_per_token``) with the weight of a
   small prompt, so the first real answer moves it most of the way. Observations whose
@@ -37,6 +40,7 @@ Cost: O(1) per observation and per estimate; one small record per model and per 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -94,13 +98,13 @@ class TokenAccounting:
         self._decay = decay
         self._retune = retune
         self.on_worker_ratio = on_worker_ratio
-        self._models: dict[str, CharsPerToken] = {}
+        self._models: dict[str, dict[str, CharsPerToken]] = {}  # model -> worker -> estimate
         self._workers: dict[str, CharsPerToken] = {}
         self._handed: dict[str, float] = {}  # worker -> chars per token last handed out
 
     def chars_per_token(self, model: str | None) -> float:
-        est = self._models.get(model or _ANY_MODEL) or self._models.get(_ANY_MODEL)
-        return self.prior if est is None else est.value
+        table = self._models.get(model or _ANY_MODEL) or self._models.get(_ANY_MODEL)
+        return self.prior if not table else statistics.median(e.value for e in table.values())
 
     def worker_chars_per_token(self, worker_id: str) -> float:
         est = self._workers.get(worker_id)
@@ -125,7 +129,8 @@ class TokenAccounting:
         model = req.model or _ANY_MODEL
         if model not in self._models and len(self._models) >= MAX_MODELS:
             model = _ANY_MODEL
-        for table, key in ((self._models, model), (self._workers, worker_id)):
+        for table, key in ((self._models.setdefault(model, {}), worker_id),
+                           (self._workers, worker_id)):  # fmt: skip
             est = table.get(key)
             if est is None:
                 est = table[key] = CharsPerToken.prior(self.prior)
@@ -144,19 +149,26 @@ class TokenAccounting:
     def forget_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
         self._handed.pop(worker_id, None)
+        for model in list(self._models):
+            self._models[model].pop(worker_id, None)
+            if not self._models[model]:
+                del self._models[model]
 
     def describe(self) -> dict[str, Any]:
         """For ``/debug/index``: the prior and every learnt estimate."""
 
-        def table(t: dict[str, CharsPerToken]) -> dict[str, Any]:
-            return {k: {"chars_per_token": e.value, "samples": e.samples} for k, e in t.items()}
-
-        return {
-            "prior_chars_per_token": self.prior,
-            "models": table(self._models),
-            "workers": table(self._workers),
+        models = {
+            m: {
+                "chars_per_token": self.chars_per_token(m),
+                "samples": sum(e.samples for e in t.values()),
+                "workers": len(t),
+            }
+            for m, t in self._models.items()
         }
+        workers = {k: {"chars_per_token": e.value, "samples": e.samples}
+                   for k, e in self._workers.items()}  # fmt: skip
+        return {"prior_chars_per_token": self.prior, "models": models, "workers": workers}
 
     def model_ratios(self) -> dict[str, float]:
         """Characters per token by model (``""``: requests naming none), for metrics."""
-        return {k: e.value for k, e in self._models.items()}
+        return {m: self.chars_per_token(m) for m in self._models}

@@ -18,11 +18,13 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout
 from scripted_worker import Exchange, ScriptedWorker, StartWorker, http_response, replies
 
-from gateway.http.tuning import TUNING
+from gateway.config import ConfigError
+from gateway.http.tuning import TUNING, rehearse
 from gateway.routing.policy_set import PolicySet
 from gateway.telemetry.tuning import MAX_TRACE_IDS
 from loadtests.harness.inprocess import GatewayHandle, run_gateway
 from policies.base import Decision, Policy, RouteContext
+from policies.registry import create_policy
 from policies.round_robin import RoundRobinPolicy
 
 API = "/v1/chat/completions"
@@ -82,9 +84,11 @@ def usage_answer(tokens: Callable[[int], int]) -> Any:
 
 # --- PUT /admin/policy: a change that parses but cannot decide ---------------------------
 
-# Each is accepted by the constructors' checks, then raises inside ``select`` on the first
+# Each was accepted by the constructors' checks, then raised inside ``select`` on the first
 # request with two candidates (TypeError from range(1.5), OverflowError from ceil(inf),
 # ValueError from max([]) once NaN scores empty the band): every live request was a 500.
+# Now the constructors refuse them, and a set that still fails a rehearsal of a few
+# decisions is refused too (``gateway.http.tuning.rehearse``, tested below).
 UNDECIDABLE = {
     "live: float virtual_nodes": {"name": "consistent_hash", "params": {"virtual_nodes": 1.5}},
     "shadow: float virtual_nodes": {"shadows": ["consistent_hash:virtual_nodes=1.5"]},
@@ -106,7 +110,7 @@ async def test_a_policy_change_that_cannot_decide_is_refused(
     async with gateway(workers) as gw:
         status, body = await put_policy(gw, change)
         assert status == 400, body
-        assert b"test decision" in body
+        assert b"policy." in body  # the key is named
         running = gw.router.core.policies
         assert running.live.name == "round_robin" and not running.shadows and running.ab is None
         for headers in ({"x-session-id": "s1"}, {}):
@@ -200,3 +204,28 @@ async def test_a_batch_never_carries_the_clients_request_id_upstream(
         assert resp.status == 200
     upstream = worker.inference[0].header("x-request-id")
     assert upstream is not None and upstream != "victim-request-0001"
+
+
+class _Broken(Policy):
+    """Accepted by every check a constructor can make, broken in ``select``."""
+
+    name: ClassVar[str] = "broken"
+
+    def select(self, ctx: RouteContext) -> Decision:
+        raise ZeroDivisionError("a policy bug")
+
+
+class _Stray(Policy):
+    name: ClassVar[str] = "stray"
+
+    def select(self, ctx: RouteContext) -> Decision:
+        return Decision("a worker it was not offered", "load")
+
+
+@pytest.mark.parametrize("bad", [_Broken(), _Stray()])
+def test_a_set_that_fails_a_rehearsal_is_refused(bad: Policy) -> None:
+    for policies in (PolicySet(bad), PolicySet(create_policy("round_robin"), (bad,)),
+                     PolicySet(create_policy("round_robin"), ab=bad, ab_fraction=0.5)):  # fmt: skip
+        with pytest.raises(ConfigError, match="test decision"):
+            rehearse(policies)
+    rehearse(PolicySet(create_policy("min_ttft"), (create_policy("cache_aware"),)))
