@@ -43,6 +43,16 @@ test: install browser-deps promtool-deps
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
+# Real SGLang 0.5.23 on the CPU (docs/REAL_ENGINE.md, "Real SGLang on the CPU"): its own
+# venv, installed once into ~/.cache/prefix-gateway/sglang-0.5.23 (about 3 minutes, 3 GB;
+# reused by later runs and by CI on this machine), then the compatibility, KV-event and
+# exact-mode tests (about 4 minutes; at most two servers at a time). Not in `make test`:
+# together they would reach the suite's 15-minute budget on a fresh clone (about 8 minutes
+# for `make test` there, 7 for this one). .ci/run runs both.
+test-sglang: install
+	$(PY) -m loadtests.engine.sglang_install
+	$(PY) -m pytest -q -m sglang tests/sglang
+
 # The layering contracts (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md) run in
 # both targets.
 lint: install
