@@ -150,7 +150,7 @@ async def check_bound_publisher(http: aiohttp.ClientSession, zctx: Any, base: st
         chained.block_hashes == sglang_block_hashes(longer, PAGE)[2 : 2 + len(chained.block_hashes)]
     )
     # /flush_cache: AllBlocksCleared
-    status, _, _ = await call(http, "POST", base + "/flush_cache")
+    status, _, _ = await call(http, "POST", base + "/flush_cache?timeout=5")
     assert status == 200
     await until_event(sub, Cleared)
     # replay from seq 0: [b"", topic, seq8, payload] per batch, then [b"", b"", END, b""]
