@@ -96,7 +96,9 @@ async def test_chat_stream_framing_and_chunks(
         chunks = [orjson.loads(e) for e in events]
         kinds = [chunk_kind(c) for c in chunks]
         assert kinds[0] == "role" and kinds[-2:] == ["finish", "usage"], kinds
-        assert set(kinds[1:-2]) <= {"content"} and 1 <= len(kinds) - 3 <= 4, kinds
+        # up to one content chunk per token (a token ending inside a UTF-8 character
+        # sends nothing until the character is complete)
+        assert set(kinds[1:-2]) <= {"content"} and len(kinds) - 3 <= 4, kinds
         assert all("usage" not in c for c in chunks[:-1])
         assert all(b", " not in e and b'": ' not in e for e in events)  # compact JSON
         finish = chunks[-2]["choices"][0]
@@ -107,7 +109,9 @@ async def test_chat_stream_framing_and_chunks(
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]
         }
         per_server.append({k: skeleton(c) for k, c in zip(kinds, chunks, strict=True)})
-    assert per_server[0] == per_server[1]
+    real_shapes, sim_shapes = per_server
+    assert "content" in sim_shapes
+    assert {k: v for k, v in sim_shapes.items() if k in real_shapes} == real_shapes
 
 
 async def test_chat_stream_without_include_usage_has_no_usage_chunk(

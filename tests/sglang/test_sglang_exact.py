@@ -33,7 +33,7 @@ pytestmark = pytest.mark.sglang
 AGENTS = 4
 TURNS = 4
 SYSTEM_TOKENS = 300
-EVENT_SETTLE_S = 0.5  # the finish's BlockStored is published when the scheduler idles
+EVENT_SETTLE_S = 1.0  # the finish's BlockStored is published when the scheduler idles
 
 
 @pytest.fixture(scope="module")
