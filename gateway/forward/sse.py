@@ -69,6 +69,8 @@ class EventFramer:
         """The whole events ``data`` completes (LF line ends), or ``b""``."""
         if self._too_large is not None:
             raise self._too_large
+        if not data:  # nothing read: a CR that ended the last piece still waits for its LF
+            return b""
         if self._after_cr:
             self._after_cr = False
             if data[:1] == b"\n":

@@ -32,6 +32,13 @@ def test_crlf_split_between_cr_and_lf_is_one_line_end() -> None:
     assert parse(b"data: a\n\ndata: b\n\n") == [Event("a"), Event("b")]
 
 
+def test_an_empty_read_between_cr_and_lf_keeps_them_one_line_end() -> None:
+    """Found by the split property test: an empty piece between a CR and its LF made the
+    LF a second line end (a blank line: the event was cut in two)."""
+    stream = [b"data: a\r", b"", b"\ndata: b\n\n"]
+    assert parse(frame_all(stream)) == [Event("a\nb")]
+
+
 def test_partial_event_waits_for_its_blank_line() -> None:
     framer = EventFramer(1024)
     assert framer.feed(b"data: [DO") == b""
