@@ -123,11 +123,6 @@ class RoutingCore:
         self._ttft = ttft_estimate  # the common yardstick of shadow comparisons
         self.shadow_failures: dict[str, int] = {}  # shadow policy -> selects that raised
 
-    @property
-    def policy(self) -> Policy:
-        """The live policy (arm A of a split)."""
-        return self.policies.live
-
     def configure(self, policies: PolicySet) -> None:
         """Swap the policy set; requests already decided finish under their own."""
         self.policies = policies
@@ -136,11 +131,6 @@ class RoutingCore:
         """Size the prompt in its model's tokens, as learnt from the workers' answers."""
         if self.tokens is not None:
             self.tokens.estimate(req)
-
-    def uses_index(self, req: RouteRequest) -> bool:
-        """Whether this request would be matched against and recorded in the prefix index
-        under the current policy set (a decided request keeps ``Choice.indexed``)."""
-        return bool(req.block_hashes) and self.policies.uses_prefix_match
 
     def choose(
         self,
