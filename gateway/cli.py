@@ -16,7 +16,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-import yaml
 from aiohttp import web
 
 from gateway.app import build_app, make_policy_set
@@ -28,6 +27,7 @@ from gateway.config import (
     merge,
     read_yaml,
 )
+from gateway.config.policyspec import parse_params
 from gateway.http import tuning
 from gateway.http.handlers import start_site
 from gateway.telemetry.logs import setup_logging
@@ -239,16 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _policy_params(pairs: Sequence[str]) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"policy.params (--policy-arg): expected KEY=VALUE, got {pair!r}")
-        try:
-            params[key.strip()] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            params[key.strip()] = raw
-    return params
+    try:
+        return parse_params(pairs)
+    except ValueError as exc:
+        raise ConfigError(f"policy.params (--policy-arg): {exc}") from None
 
 
 def _name_flag(exc: ConfigError) -> str:

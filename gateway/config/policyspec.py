@@ -9,6 +9,7 @@ policy is built (``gateway.app.make_named_policy``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import yaml
@@ -19,14 +20,23 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     name, _, rest = spec.strip().partition(":")
     if not name:
         raise ValueError(f"policy spec {spec!r}: expected NAME or NAME:KEY=VALUE,...")
+    try:
+        params = parse_params(p for p in (p.strip() for p in rest.split(",")) if p)
+    except ValueError as exc:
+        raise ValueError(f"policy spec {spec!r}: {exc}") from None
+    return name.strip(), params
+
+
+def parse_params(pairs: Iterable[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (``--policy-arg``, the replay's too), each value read as a YAML
+    scalar; ValueError for a pair that is not ``KEY=VALUE``."""
     params: dict[str, Any] = {}
-    for pair in filter(None, (p.strip() for p in rest.split(","))):
+    for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"policy spec {spec!r}: expected KEY=VALUE, got {pair!r}")
+            raise ValueError(f"expected KEY=VALUE, got {pair!r}")
         try:
-            value = yaml.safe_load(raw)
+            params[key.strip()] = yaml.safe_load(raw)
         except yaml.YAMLError:
-            value = raw
-        params[key.strip()] = raw if isinstance(value, dict | list) else value
-    return name.strip(), params
+            params[key.strip()] = raw
+    return params

@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from gateway.config.policyspec import parse_params
 from loadtests.replay.bounds import compute_bounds
 from loadtests.replay.metrics import summarize
 from loadtests.replay.prompts import PromptBuilder, trace_block_requests
@@ -48,17 +47,12 @@ class ReplayConfig:
 
 
 def parse_policy_args(pairs: Sequence[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs, values read as YAML scalars (as the gateway's CLI does)."""
-    params: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--policy-arg: expected KEY=VALUE, got {pair!r}")
-        try:
-            params[key.strip()] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            params[key.strip()] = raw
-    return params
+    """``KEY=VALUE`` pairs, values read as YAML scalars: the gateway's own reading of
+    ``--policy-arg`` (``gateway.config.policyspec.parse_params``)."""
+    try:
+        return parse_params(pairs)
+    except ValueError as exc:
+        raise ValueError(f"--policy-arg: {exc}") from None
 
 
 def load_workload(config: ReplayConfig) -> Workload:
