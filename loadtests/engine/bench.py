@@ -1,4 +1,4 @@
-"""Routing policies on a real llama.cpp fleet, judged by the engines' own counters.
+"""Routing policies on a real llama.cpp or SGLang fleet, judged by the engines' own counters.
 
 One fleet (default 4 workers x 2 slots, RAM prompt cache off), one shared-prefix
 workload (8 prefixes of 1,800 tokens, 6 requests each, shuffled, 2 closed-loop clients).
@@ -22,7 +22,18 @@ measurements): by default simulated llama.cpp servers
 shared between slots), whose cached fraction comes from their ``/metrics`` counters as on
 the real fleet; ``--sim-engine sglang`` runs the earlier stand-in (SGLang workers with a
 radix cache of ``slots`` prompts' tokens and ``slots`` running requests), whose cached
-fraction comes from ``usage``.
+fraction now comes from its ``sglang:*`` counters too.
+
+``--fleet sglang`` runs the targets on real SGLang 0.5.23 CPU servers
+(:mod:`loadtests.engine.sglang_fleet`; default 2 servers of ``--max-total-tokens`` 8,192
+KV tokens, page 16, the tiny Hugging Face model, whose tokenizer also makes each syllable
+one token). Cached fraction = Δ``sglang:cached_tokens_total`` / Δ``sglang:prompt_tokens_total``
+over the servers; the table adds the servers' own mean TTFT (Δsum / Δcount of
+``sglang:time_to_first_token_seconds``). ``--fleet sim --sim-engine sglang
+--max-total-tokens N`` is its simulated twin: simulated SGLang workers with the same KV
+pool and page size (``--sim-profile tiny-sglang``, fitted to the real server by
+:mod:`loadtests.engine.sglang_calibrate`), and SGLang's own ``max_running_requests``
+formula unless ``--sim-max-running`` is given.
 
     python -m loadtests.engine.bench [--targets gateway:round_robin,gateway:min_ttft]
         [--markdown results/real_engine.md] [--json results/real_engine.json]
@@ -40,7 +51,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from loadtests.engine.llama_fleet import LlamaFleet
-from loadtests.engine.runner import Route, RunResult, run_workload, summarize
+from loadtests.engine.runner import (
+    Route,
+    RunResult,
+    reported_fraction,
+    run_workload_totals,
+    summarize,
+)
+from loadtests.engine.sglang_model import SERVED_MODEL_NAME as SGLANG_MODEL_NAME
 from loadtests.engine.tiny_model import ensure_tiny_model
 from loadtests.engine.workload import (
     PrefixRequest,
@@ -56,6 +74,9 @@ from loadtests.harness.sim_fleet import SimSettings, run_sim_fleet
 # runs at speed 1. (The earlier tiny-cpu profile needed a speed of 0.44.)
 SIM_PROFILE = "tiny-llamacpp"
 SIM_SPEED = 1.0
+SGLANG_SIM_PROFILE = "tiny-sglang"  # the simulator's twin of --fleet sglang
+SGLANG_PAGE_SIZE = 16
+SGLANG_SETTLE_S = 1.0  # SGLang counts a request's tokens just after its stream ends
 TEMPLATE_TOKENS = 16  # ChatML overhead of a two-message request, rounded up
 
 DEFAULT_TARGETS = (
@@ -82,12 +103,14 @@ def direct_route(name: str, urls: Sequence[str]) -> Route:
 def run_target(
     target: str, urls: Sequence[str], requests: Sequence[PrefixRequest], concurrency: int,
     log_dir: Path, gateway_args: Sequence[str] = (), slots: int = 2,
-    engine_counters: bool = True,
+    engine_counters: bool = True, settle_s: float = 0.0,
 ) -> RunResult:  # fmt: skip
     """Run one ``direct:<route>`` or ``<router>:<policy>`` target; errors become a row.
 
     ``gateway_args`` go to the project's gateway only; ``gateway:<policy>+capacity`` also
     tells it the workers' real capacity (``slots`` prompts, see ``capacity_hint_args``).
+    The cached fraction comes from the workers' ``/metrics`` read ``settle_s`` after the
+    last response (from ``usage`` without ``engine_counters``).
     """
     kind, _, name = target.partition(":")
     if kind == "gateway" and name.endswith("+capacity"):
@@ -96,25 +119,38 @@ def run_target(
     try:
         if kind == "direct":
             route = direct_route(name, urls)
-            out = asyncio.run(run_workload(urls, route, requests, concurrency, engine_counters))
-            return summarize(target, *out)
+            return _run(target, urls, route, requests, concurrency, engine_counters, settle_s)
         if kind not in ROUTER_MODULES:
             raise ValueError(f"unknown target kind {kind!r}")
         args = gateway_args if kind == "gateway" else ()
         log_path = log_dir / f"{kind}-{name}-{len(list(log_dir.iterdir()))}.log"
         with run_gateway(urls, name, log_path, args, router=kind) as gw:
-            out = asyncio.run(
-                run_workload(urls, lambda _: gw.url, requests, concurrency, engine_counters)
+            return _run(
+                target, urls, lambda _: gw.url, requests, concurrency, engine_counters, settle_s
             )
-            return summarize(target, *out)
     except (RuntimeError, ValueError, OSError) as exc:
         nan = float("nan")
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return RunResult(target, 0, 0, nan, nan, nan, nan, error=first_line)
 
 
+def _run(
+    target: str, urls: Sequence[str], route: Route, requests: Sequence[PrefixRequest],
+    concurrency: int, engine_counters: bool, settle_s: float,
+) -> RunResult:  # fmt: skip
+    results, totals, wall = asyncio.run(
+        run_workload_totals(urls, route, requests, concurrency, engine_counters, settle_s)
+    )
+    if totals is None:
+        return summarize(target, results, reported_fraction(results), wall)
+    return summarize(target, results, totals.cached_fraction, wall, totals.engine_ttft_mean_s)
+
+
 def markdown_table(rows: Sequence[RunResult]) -> str:
-    """The results as a Markdown table."""
+    """The results as a Markdown table; with an "engine TTFT mean" column when any row
+    has the engines' own TTFT (SGLang workers)."""
+    if any(r.engine_ttft_mean_s == r.engine_ttft_mean_s for r in rows):  # not all NaN
+        return _sglang_table(rows)
     lines = [
         "| target | cached fraction (engines) | (usage) | TTFT p50 | TTFT p90 | wall | failed |",
         "|---|---|---|---|---|---|---|",
@@ -131,10 +167,30 @@ def markdown_table(rows: Sequence[RunResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sglang_table(rows: Sequence[RunResult]) -> str:
+    lines = [
+        "| target | cached fraction (engines) | (usage) | engine TTFT mean | TTFT p50 | "
+        "TTFT p90 | wall | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.requests == 0:
+            lines.append(f"| {r.target} | not run: {r.error} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r.target} | {r.cached_fraction:.2f} | {r.reported_fraction:.2f} | "
+            f"{r.engine_ttft_mean_s:.3f} s | {r.ttft_p50_s:.3f} s | {r.ttft_p90_s:.3f} s | "
+            f"{r.wall_s:.1f} s | {r.failures}/{r.requests} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtests.engine.bench", description=__doc__)
     parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--workers", type=int, default=None, help="default: 2 for SGLang (real or sim), else 4"
+    )
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--prefixes", type=int, default=8)
     parser.add_argument("--per-prefix", type=int, default=6)
@@ -143,8 +199,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gateway-arg", action="append", default=[], help="passed to gateway")
-    parser.add_argument("--fleet", choices=("llama", "sim"), default="llama")
-    parser.add_argument("--sim-profile", default=SIM_PROFILE, help="simulator profile")
+    parser.add_argument("--fleet", choices=("llama", "sim", "sglang"), default="llama")
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="SGLang KV pool per server (real: default 8192; --sim-engine sglang: given, the "
+        "simulated twin of that fleet; absent, the slots stand-in)",
+    )
+    parser.add_argument(
+        "--sim-max-running",
+        type=int,
+        default=None,
+        help="--sim-engine sglang with --max-total-tokens: max running requests "
+        "(default: SGLang's formula, as the real server)",
+    )
+    parser.add_argument(
+        "--sim-profile",
+        default=None,
+        help=f"default {SIM_PROFILE}, or {SGLANG_SIM_PROFILE} for the twin of --fleet sglang",
+    )
     parser.add_argument(
         "--sim-engine",
         choices=("llamacpp", "sglang"),
@@ -159,9 +233,42 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def sglang_twin(args: argparse.Namespace) -> bool:
+    """True when ``--fleet sim`` plays the real SGLang fleet (``--sim-engine sglang
+    --max-total-tokens N``)."""
+    return bool(
+        args.fleet == "sim" and args.sim_engine == "sglang" and args.max_total_tokens is not None
+    )
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill ``workers``, ``sim_profile`` and ``max_total_tokens`` by fleet (see ``--help``)."""
+    sglang = args.fleet == "sglang" or (args.fleet == "sim" and args.sim_engine == "sglang")
+    if args.workers is None:
+        args.workers = 2 if sglang else 4
+    if args.sim_profile is None:
+        args.sim_profile = SGLANG_SIM_PROFILE if sglang_twin(args) else SIM_PROFILE
+    if args.fleet == "sglang" and args.max_total_tokens is None:
+        args.max_total_tokens = 8192
+    return args
+
+
 @contextlib.contextmanager
 def start_fleet(args: argparse.Namespace, log_dir: Path) -> Iterator[list[str]]:
-    """The llama.cpp fleet, or the simulated one calibrated to it (``--fleet sim``)."""
+    """The llama.cpp fleet, the real SGLang one (``--fleet sglang``), or a simulated one
+    (``--fleet sim``)."""
+    if args.fleet == "sglang":
+        from loadtests.engine.sglang_fleet import SGLangFleet, SGLangSettings
+        from loadtests.engine.sglang_install import ensure_sglang
+        from loadtests.engine.sglang_model import ensure_sglang_model
+        from loadtests.engine.tiny_model import default_cache_dir
+
+        env = ensure_sglang()
+        model = ensure_sglang_model(default_cache_dir(), env.python).resolve()
+        sg = SGLangSettings(env.python, model, args.max_total_tokens, SGLANG_PAGE_SIZE)
+        with SGLangFleet.start(args.workers, sg, log_dir=log_dir / "sglang") as sglang_fleet:
+            yield sglang_fleet.urls
+        return
     if args.fleet == "llama":
         with LlamaFleet.start(
             args.workers, ensure_tiny_model(), slots=args.slots, log_dir=log_dir / "llama"
@@ -177,24 +284,34 @@ def start_fleet(args: argparse.Namespace, log_dir: Path) -> Iterator[list[str]]:
         capacity_tokens=args.slots * prompt_tokens,
         max_running_requests=args.slots,
     )
+    if sglang_twin(args):
+        settings = replace(
+            settings,
+            capacity_tokens=args.max_total_tokens,
+            max_running_requests=args.sim_max_running,
+            page_size=SGLANG_PAGE_SIZE,
+        )
     with run_sim_fleet(args.workers, settings, log_dir / "sim") as urls:
         yield urls
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Start the fleet once, run every target, print (and optionally write) the table."""
-    args = _parser().parse_args(argv)
+    args = resolve_defaults(_parser().parse_args(argv))
+    model = SGLANG_MODEL_NAME if args.fleet == "sglang" else "tiny-llama"
     spec = SharedPrefixSpec(
         num_prefixes=args.prefixes, per_prefix=args.per_prefix,
         prefix_tokens=args.prefix_tokens, message_tokens=args.message_tokens, seed=args.seed,
+        model=model,
     )  # fmt: skip
+    settle_s = SGLANG_SETTLE_S if args.fleet == "sglang" else 0.0
     rows: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp, start_fleet(args, Path(tmp)) as urls:
         for salt, target in enumerate(t for t in args.targets.split(",") if t):
             requests = shared_prefix_requests(replace(spec, text_salt=salt + 1))
             row = run_target(
                 target, urls, requests, args.concurrency, Path(tmp), args.gateway_arg,
-                args.slots, engine_counters=args.fleet == "llama" or args.sim_engine == "llamacpp",
+                args.slots, engine_counters=True, settle_s=settle_s,
             )  # fmt: skip
             print(json.dumps(asdict(row)), flush=True)
             rows.append(row)

@@ -2,17 +2,20 @@
 
 The engine-reported cached fraction of a run is ``Δprompt_tokens_cached_total /
 Δ(cached + prompt_tokens_total)`` summed over all workers, read before and after;
-TTFT is client-side (first streamed event).
+TTFT is client-side (first streamed event); on SGLang workers also the engines' own mean
+(``Δsum / Δcount`` of ``sglang:time_to_first_token_seconds``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from loadtests.engine.client import ChatResult, engine_session, run_clients
-from loadtests.engine.probe import cache_delta, read_fleet
+from loadtests.engine.probe import CacheTotals, cache_delta, read_fleet
 from loadtests.engine.workload import PrefixRequest
 from loadtests.harness.stats import percentile
 
@@ -32,6 +35,7 @@ class RunResult:
     wall_s: float
     reported_fraction: float = float("nan")  # Σ usage cached_tokens / Σ prompt_tokens
     error: str = ""
+    engine_ttft_mean_s: float = float("nan")  # SGLang's TTFT histogram; NaN elsewhere
 
 
 def reported_fraction(results: Sequence[ChatResult]) -> float:
@@ -49,9 +53,27 @@ async def run_workload(
 ) -> tuple[list[ChatResult], float, float]:
     """Send the requests; return results, cached fraction and wall time.
 
-    The fraction comes from the llama.cpp workers' ``/metrics`` read before and after;
-    with ``engine_counters=False`` (other engines) from the responses' ``usage``.
+    The fraction comes from the workers' ``/metrics`` (llama.cpp's or SGLang's) read
+    before and after; with ``engine_counters=False`` from the responses' ``usage``.
     """
+    results, totals, wall = await run_workload_totals(
+        urls, route, requests, concurrency, engine_counters
+    )
+    fraction = totals.cached_fraction if totals is not None else reported_fraction(results)
+    return results, fraction, wall
+
+
+async def run_workload_totals(
+    urls: Sequence[str],
+    route: Route,
+    requests: Sequence[PrefixRequest],
+    concurrency: int,
+    engine_counters: bool = True,
+    settle_s: float = 0.0,
+) -> tuple[list[ChatResult], CacheTotals | None, float]:
+    """As :func:`run_workload`, returning the engines' counter deltas (None without
+    ``engine_counters``). ``settle_s``: wait this long after the last response before
+    the second reading (SGLang updates some counters just after a stream ends)."""
     async with engine_session() as session:
         before = await read_fleet(session, urls) if engine_counters else []
         start = time.perf_counter()
@@ -59,13 +81,18 @@ async def run_workload(
         results = await run_clients(session, jobs, concurrency)
         wall = time.perf_counter() - start
         if not engine_counters:
-            return results, reported_fraction(results), wall
+            return results, None, wall
+        await asyncio.sleep(settle_s)
         after = await read_fleet(session, urls)
-    return results, cache_delta(before, after).cached_fraction, wall
+    return results, cache_delta(before, after), wall
 
 
 def summarize(
-    target: str, results: Sequence[ChatResult], fraction: float, wall: float
+    target: str,
+    results: Sequence[ChatResult],
+    fraction: float,
+    wall: float,
+    engine_ttft_mean_s: float = math.nan,
 ) -> RunResult:
     """Aggregate one run; failures are requests without a 200 and a usage chunk."""
     ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
@@ -80,4 +107,5 @@ def summarize(
         wall_s=wall,
         reported_fraction=reported_fraction(results),
         error=failed[0].error if failed else "",
+        engine_ttft_mean_s=engine_ttft_mean_s,
     )

@@ -36,7 +36,8 @@ class SimSettings:
     slots: int = 2  # llamacpp: n_parallel
     ctx_per_slot: int = 4096  # llamacpp: as LlamaFleet's default
     capacity_tokens: int = 4200  # sglang only
-    max_running_requests: int = 2  # sglang only
+    max_running_requests: int | None = 2  # sglang only; None: SGLang's formula
+    page_size: int = 1  # sglang only
 
     def args(self, k: int) -> list[str]:
         common = [
@@ -52,9 +53,13 @@ class SimSettings:
             ]  # fmt: skip
         if self.engine != "sglang":
             raise ValueError(f"unknown simulator engine {self.engine!r}")
+        running = (
+            [] if self.max_running_requests is None
+            else ["--max-running-requests", str(self.max_running_requests)]
+        )  # fmt: skip
         return [
-            *common, "--capacity-tokens", str(self.capacity_tokens),
-            "--max-running-requests", str(self.max_running_requests), "--enable-cache-report",
+            *common, "--capacity-tokens", str(self.capacity_tokens), *running,
+            "--page-size", str(self.page_size), "--enable-cache-report",
         ]  # fmt: skip
 
 

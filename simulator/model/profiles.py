@@ -30,6 +30,11 @@ class Profile:
     prefill_fixed_s: float = 5e-3
     prefill_per_token_s: float = 22e-6
     attention_per_pair_s: float = 1.3e-9
+    # ...plus, per request, a cost of the cached prefix itself: per cached token and per
+    # cached pair (c²/2). 0 on a GPU; real SGLang on the CPU (torch_native attention) pays
+    # nearly as much for a hit as for a cold prompt of the same length (tiny-sglang).
+    prefill_per_cached_token_s: float = 0.0
+    cached_pair_s: float = 0.0
     # decode step: max(floor, per request * B) + per context token * ΣL + overhead
     decode_floor_s: float = 6e-3
     decode_per_request_s: float = 22e-6
@@ -60,6 +65,8 @@ class Profile:
             self.prefill_fixed_s
             + self.prefill_per_token_s * new_tokens
             + self.attention_per_pair_s * new_tokens * (cached_tokens + new_tokens / 2)
+            + self.prefill_per_cached_token_s * cached_tokens
+            + self.cached_pair_s * cached_tokens * cached_tokens / 2
         )
 
     def with_overrides(self, **overrides: Any) -> Profile:
@@ -132,6 +139,41 @@ PROFILES: dict[str, Profile] = {
             decode_overhead_s=0.5e-3,
             max_prefill_tokens=2048,
             capacity_tokens=8192,
+        ),
+        _TINY_CPU.with_overrides(
+            name="tiny-sglang",
+            description=(
+                "the project's tiny Hugging Face model on real SGLang 0.5.23, CPU, "
+                "torch_native attention (docs/REAL_ENGINE.md): cold 1,013 tokens ≈85 ms, "
+                "212 new over 3,008 cached ≈223 ms; use at speed 1"
+            ),
+            # Fitted (not guessed) by `python -m loadtests.engine.sglang_calibrate` on one
+            #   server (16,384 KV tokens, page 16), quiet machine, 2026-12-01 16:54 UTC,
+            #   medians of 5 (TTFT to the first streamed event, HTTP and tokenizer
+            #   included): cold 263 / 513 / 1,013 / 2,013 / 3,013 tokens 33 / 52 / 85 /
+            #   174 / 321 ms; ~215 new over 496 / 1,008 / 2,000 / 3,008 cached 56 / 69 /
+            #   133 / 223 ms. Non-negative least squares; modelled / measured 0.91-1.04, the
+            #   263-token cold prompt 1.16 (39 vs 33 ms); an exact repeat of 1,013, left out
+            #   of the fit: 58 ms measured, 55 ms modelled.
+            # A hit costs nearly what a cold prompt of the same length does on this
+            #   backend, hence the two cached-prefix terms.
+            prefill_fixed_s=29.8e-3,
+            prefill_per_token_s=27.8e-6,
+            prefill_per_cached_token_s=11.0e-6,
+            attention_per_pair_s=45.3e-9,
+            cached_pair_s=27.5e-9,
+            # decode, same run: 8.6 ms per token at a 200-token context, 15.7 ms at 3,000
+            #   (33 tokens, ignore_eos): 8.1 ms + 2.55 µs per context token. The batch term
+            #   (decode_per_request_s, tiny-cpu's 2 ms) was not measured.
+            decode_floor_s=7.6e-3,
+            decode_per_context_token_s=2.55e-6,
+            decode_overhead_s=0.5e-3,
+            # the server's /server_info: chunked_prefill_size 4,096, max_prefill_tokens
+            #   16,384; the fleet's default pool of 8,192 KV tokens; the model's context
+            chunked_prefill_size=4096,
+            max_prefill_tokens=16384,
+            capacity_tokens=8192,
+            context_length=32768,
         ),
     )
 }

@@ -178,9 +178,14 @@ class WorkerModel(RadixState):
         cache = self.cache
         new_total = 0
         pairs = 0.0
+        cached_cost = 0.0  # the cached-prefix terms (0 unless the profile sets them)
         hit = 0
         for r, n, matched in batch:
             pairs += n * (r.computed + n / 2)
+            cached_cost += (
+                profile.prefill_per_cached_token_s * r.computed
+                + profile.cached_pair_s * r.computed * r.computed / 2
+            )
             new_total += n
             hit += matched
         for _, n, _ in batch:
@@ -196,6 +201,7 @@ class WorkerModel(RadixState):
                     profile.decode_per_request_s * (new_total + len(decode_reqs)),
                 )
                 + profile.attention_per_pair_s * pairs
+                + cached_cost
                 + profile.decode_per_context_token_s * sum_ctx
                 + profile.decode_overhead_s
             )
@@ -205,6 +211,7 @@ class WorkerModel(RadixState):
                 profile.prefill_fixed_s
                 + profile.prefill_per_token_s * new_total
                 + profile.attention_per_pair_s * pairs
+                + cached_cost
             )
             kind = "prefill"
         end = now + duration
