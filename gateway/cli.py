@@ -34,7 +34,7 @@ from gateway.telemetry.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
-# flag → (dotted config key, argparse options). Defaults live in gateway/config.py only;
+# flag → (dotted config key, argparse options). Defaults live in gateway/config/ only;
 # a flag absent from the command line leaves the file's (or the default) value.
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--host": ("server.host", {"help": "address to listen on (default 127.0.0.1)"}),

@@ -145,19 +145,21 @@ def cached_tokens(data: bytes) -> int | None:
     """The last ``"cached_tokens": N`` in ``data`` (usage details or ``meta_info``), or
     llama.cpp's ``"cache_n": N`` (``timings``, in a stream's last chunk even without
     ``stream_options.include_usage``)."""
-    found = _CACHED.findall(data)
-    return int(found[-1]) if found else None
+    return _last_count(_CACHED, data)
 
 
 def prompt_tokens(data: bytes) -> int | None:
     """The last ``"prompt_tokens": N`` in ``data`` (``usage``), or None."""
-    found = _PROMPT.findall(data)
-    return int(found[-1]) if found else None
+    return _last_count(_PROMPT, data)
 
 
 def output_tokens(data: bytes) -> int | None:
     """The last ``"completion_tokens": N`` in ``data`` (``usage``), or None."""
-    found = _OUTPUT.findall(data)
+    return _last_count(_OUTPUT, data)
+
+
+def _last_count(pattern: re.Pattern[bytes], data: bytes) -> int | None:
+    found = pattern.findall(data)
     return int(found[-1]) if found else None
 
 

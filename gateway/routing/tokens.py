@@ -110,9 +110,6 @@ class TokenAccounting:
         est = self._workers.get(worker_id)
         return self.prior if est is None else est.value
 
-    def tokens_per_block(self, worker_id: str) -> float:
-        return self.block_chars / self.worker_chars_per_token(worker_id)
-
     def estimate(self, req: RouteRequest) -> None:
         """Size ``req``'s prompt in its model's tokens (token-id prompts stay exact)."""
         if req.tokens_exact or req.prompt_chars <= 0:

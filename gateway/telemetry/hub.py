@@ -15,7 +15,7 @@ Request path (push, a few microseconds per request)::
 
 ``begin_request`` also makes the request's telemetry the *current* one of its task
 (:func:`current_request`), so code that does not hold ``rt`` (router hooks, see
-``telemetry_gateway``) reaches it.
+``gateway.http.observe``) reaches it.
 
 Fleet figures (in-flight, queued, health flags, engine load, index size, admission
 rejections) are pulled at scrape time from a

@@ -73,7 +73,7 @@ def test_the_workers_index_follows_its_ratio() -> None:
     assert calls and {w for w, _ in calls} == {"w0"}
     assert len(calls) < 10  # re-sized when it moved by over 10 %, not at every answer
     assert calls[-1][1] == pytest.approx(64 / 1.2, rel=0.1)
-    assert calls[-1][1] == pytest.approx(acc.tokens_per_block("w0"), rel=0.1)
+    assert calls[-1][1] == pytest.approx(64 / acc.worker_chars_per_token("w0"), rel=0.1)
 
     index = PrefixIndex(block_tokens=16.0)
     index.set_capacity("w0", 8192)
