@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model-path", default="sim-model", help="reported model_path (default sim-model)")
     add("--served-model-name", default=None, help="reported model name (default: model path)")
     add(
+        "--tokenizer-path",
+        default=None,
+        metavar="DIR",
+        help="a real model's tokenizer (tokenizer.json, tokenizer_config.json; needs "
+        "transformers): token ids, cached prefixes and KV events as SGLang with that model "
+        "(default: the arithmetic pseudo-English tokenizer)",
+    )
+    add("--chat-template", default=None, metavar="FILE", help="override its chat template")
+    add(
         "--context-length",
         type=int,
         default=None,
@@ -138,6 +147,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         model_path=args.model_path,
         served_model_name=args.served_model_name,
+        tokenizer_path=args.tokenizer_path,
+        chat_template=args.chat_template,
         legacy_get_load=args.legacy_get_load,
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,

@@ -48,6 +48,10 @@ class SimConfig:
     kv_events_config: str | None = None
     # publish the <=0.5.18 tagged-array event encoding instead of 0.5.23's tagged maps
     kv_events_legacy_array: bool = False
+    # a real model's tokenizer directory (tokenizer.json, tokenizer_config.json), used
+    # through transformers as SGLang uses it; None: the arithmetic pseudo-English one
+    tokenizer_path: str | None = None
+    chat_template: str | None = None  # a template file overriding the directory's
 
     def resolved_profile(self) -> Profile:
         return get_profile(self.profile)
@@ -76,6 +80,8 @@ class SimConfig:
         self.faults.validate()
         if self.kv_events_config is not None:
             KVEventsConfig.from_json(self.kv_events_config)
+        if self.chat_template is not None and self.tokenizer_path is None:
+            raise ValueError("chat_template needs tokenizer_path")
 
     def _validate_llamacpp(self) -> None:
         if self.slots < 1:

@@ -44,7 +44,7 @@ from simulator.http import api, metrics
 from simulator.http.api import ApiError
 from simulator.model.driver import DrivenModel, ModelDriver, RequestHandle
 from simulator.model.requests import RequestOutput
-from simulator.model.tokenizer import SimTokenizer, default_tokenizer
+from simulator.model.tokenizer import WorkerTokenizer, worker_tokenizer
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -94,7 +94,9 @@ class HttpWorker:
         self.faults: Faults = dataclasses.replace(config.faults)
         self.stats = SimStats()
         self.request_metrics = metrics.RequestMetrics()
-        self.tokenizer: SimTokenizer = default_tokenizer()
+        self.tokenizer: WorkerTokenizer = worker_tokenizer(
+            config.tokenizer_path, config.chat_template
+        )
         self._rng = random.Random(config.seed * 1_000_003 + index)
         self._driver: ModelDriver | None = None
         self._runner: web.ServerRunner | None = None

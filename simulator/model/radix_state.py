@@ -22,6 +22,7 @@ from simulator.model.radix_cache import (
     encode_tokens,
 )
 from simulator.model.requests import (
+    DEFAULT_EOS,
     Finish,
     OutputSource,
     RequestOutput,
@@ -161,6 +162,7 @@ class RadixState:
     schedule_policy: str = "fcfs"
     seed: int = 0
     output_source: OutputSource = pseudo_text_output
+    eos_token_id: int = DEFAULT_EOS
     listener: CacheListener | None = None
 
     def __post_init__(self) -> None:
@@ -221,7 +223,9 @@ class RadixState:
         max_input = self.max_req_input_len
         too_long = prompt_len >= max_input
         limit = 0 if too_long else min(max(req.max_new_tokens, 0), max_req_len - prompt_len - 1)
-        output, eos = planned_output(req, key, limit, self.seed, self.output_source)
+        output, eos = planned_output(
+            req, key, limit, self.seed, self.output_source, self.eos_token_id
+        )
         r = ReqState(req, key, output, now, limit, eos)
         self._by_rid[r.rid] = r
         if too_long:

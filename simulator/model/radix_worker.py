@@ -43,12 +43,19 @@ request and output types both worker models share are in :mod:`simulator.model.r
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from simulator.model.radix_cache import TOKEN_BYTES, CacheListener, encode_tokens
 from simulator.model.radix_state import RadixState, ReqState
-from simulator.model.requests import Finish, RequestOutput, StepKind, StepResult
+from simulator.model.requests import (
+    Finish,
+    OutputTokenizer,
+    RequestOutput,
+    StepKind,
+    StepResult,
+    output_source,
+)
 from simulator.model.settings import WorkerSettings
-from simulator.model.tokenizer import default_tokenizer
 
 DECODE_LOG_INTERVAL = 40  # SGLang --decode-log-interval: gauge refresh cadence
 LOAD_SNAPSHOT_INTERVAL = 15  # SGLang --load-snapshot-publish-interval
@@ -61,13 +68,23 @@ class WorkerModel(RadixState):
 
     @classmethod
     def from_config(
-        cls, config: WorkerSettings, listener: CacheListener | None = None
+        cls,
+        config: WorkerSettings,
+        listener: CacheListener | None = None,
+        tokenizer: OutputTokenizer | None = None,
     ) -> WorkerModel:
         """The model of one worker configured by ``config`` (a
         :class:`simulator.config.SimConfig`), as the HTTP simulator builds it; an offline
-        replay that builds its workers here runs the same worker as the live fleet."""
+        replay that builds its workers here runs the same worker as the live fleet.
+        ``tokenizer``: where output tokens and EOS come from (default: pseudo-English)."""
         profile = config.resolved_profile()
         context = config.context_length or profile.context_length
+        extra: dict[str, Any] = {}
+        if tokenizer is not None:
+            extra = {
+                "output_source": output_source(tokenizer),
+                "eos_token_id": tokenizer.eos_token_id,
+            }
         return cls(
             profile=profile.with_overrides(context_length=context),
             capacity_tokens=config.capacity_tokens,
@@ -76,6 +93,7 @@ class WorkerModel(RadixState):
             schedule_policy=config.schedule_policy,
             seed=config.seed,
             listener=listener,
+            **extra,
         )
 
     # ------------------------------------------------------------------ the step
@@ -323,7 +341,7 @@ class WorkerModel(RadixState):
     def _finish_done(self, r: ReqState, end: float, outputs: list[RequestOutput]) -> None:
         self._release(r, insert=True)
         if r.eos and r.out_len == r.target:
-            finish = Finish("stop", r.out_len, matched=default_tokenizer().eos_token_id)
+            finish = Finish("stop", r.out_len, matched=self.eos_token_id)
         else:
             finish = Finish("length", r.out_len)
         first = r.first_token_at == end and r.out_len <= 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import xxhash
 
@@ -79,16 +79,38 @@ class StepResult:
 
 
 OutputSource = Callable[[bytes, int, int], list[int]]
+DEFAULT_EOS = default_tokenizer().eos_token_id
 
 
-def pseudo_text_output(prompt_key: bytes, seed: int, n: int) -> list[int]:
-    """Deterministic pseudo-English output: a slice of the tokenizer's ring chosen by the
-    prompt's hash (same prompt and seed → same text, like temperature 0)."""
-    return default_tokenizer().pseudo_output_ids(xxhash.xxh64_intdigest(prompt_key, seed), n)
+class OutputTokenizer(Protocol):
+    """What a worker model needs of its tokenizer: output text and the EOS id."""
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    def pseudo_output_ids(self, seed: int, n: int) -> list[int]: ...
+
+
+def output_source(tokenizer: OutputTokenizer) -> OutputSource:
+    """Deterministic output from ``tokenizer``'s ring, chosen by the prompt's hash (same
+    prompt and seed → same text, like temperature 0)."""
+
+    def source(prompt_key: bytes, seed: int, n: int) -> list[int]:
+        return tokenizer.pseudo_output_ids(xxhash.xxh64_intdigest(prompt_key, seed), n)
+
+    return source
+
+
+pseudo_text_output: OutputSource = output_source(default_tokenizer())  # pseudo-English
 
 
 def planned_output(
-    req: SimRequest, key: bytes, limit: int, seed: int, source: OutputSource
+    req: SimRequest,
+    key: bytes,
+    limit: int,
+    seed: int,
+    source: OutputSource,
+    eos_token_id: int = DEFAULT_EOS,
 ) -> tuple[list[int], bool]:
     """The tokens ``req`` will generate with at most ``limit`` of them, and whether the last
     is EOS (``eos_at`` within the limit and not ``ignore_eos``)."""
@@ -101,5 +123,5 @@ def planned_output(
         list(req.output_ids[:length]) if req.output_ids is not None else source(key, seed, length)
     )
     if eos and output:
-        output[-1] = default_tokenizer().eos_token_id
+        output[-1] = eos_token_id
     return output, eos

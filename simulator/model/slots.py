@@ -55,17 +55,19 @@ from simulator.model.radix_cache import (
     encode_tokens,
 )
 from simulator.model.requests import (
+    DEFAULT_EOS,
     Finish,
     OutputSource,
+    OutputTokenizer,
     RequestOutput,
     SimRequest,
     StepKind,
     StepResult,
+    output_source,
     planned_output,
     pseudo_text_output,
 )
 from simulator.model.settings import WorkerSettings
-from simulator.model.tokenizer import default_tokenizer
 
 SLOT_PROMPT_SIMILARITY = 0.1  # llama.cpp --slot-prompt-similarity
 N_BATCH = 2048  # llama.cpp --batch-size
@@ -184,16 +186,23 @@ class SlotWorkerModel:
     slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY
     seed: int = 0
     output_source: OutputSource = pseudo_text_output
+    eos_token_id: int = DEFAULT_EOS
 
     @classmethod
-    def from_config(cls, config: WorkerSettings) -> SlotWorkerModel:
+    def from_config(
+        cls, config: WorkerSettings, tokenizer: OutputTokenizer | None = None
+    ) -> SlotWorkerModel:
         """The model of one worker configured by ``config`` (a :class:`simulator.config.SimConfig`
-        with ``engine="llamacpp"``)."""
+        with ``engine="llamacpp"``); ``tokenizer``: where output tokens and EOS come from."""
         profile = config.resolved_profile()
         context = config.context_length or profile.context_length
-        return cls(
+        model = cls(
             profile=profile, slots=config.slots, n_ctx=context // config.slots, seed=config.seed
         )
+        if tokenizer is not None:
+            model.output_source = output_source(tokenizer)
+            model.eos_token_id = tokenizer.eos_token_id
+        return model
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -229,7 +238,9 @@ class SlotWorkerModel:
         if prompt_len >= self.n_ctx:
             raise ContextTooLong(prompt_len, self.n_ctx)
         limit = min(max(req.max_new_tokens, 0), self.n_ctx - prompt_len)
-        output, eos = planned_output(req, key, limit, self.seed, self.output_source)
+        output, eos = planned_output(
+            req, key, limit, self.seed, self.output_source, self.eos_token_id
+        )
         r = _SlotReq(req, key, output, eos, now, self._tasks)
         self._tasks += 1
         self._by_rid[r.rid] = r
@@ -382,7 +393,7 @@ class SlotWorkerModel:
 
     def _finish(self, r: _SlotReq, end: float, outputs: list[RequestOutput], first: bool) -> None:
         if r.eos and r.out_len == r.target:
-            finish = Finish("stop", r.out_len, matched=default_tokenizer().eos_token_id)
+            finish = Finish("stop", r.out_len, matched=self.eos_token_id)
         else:
             finish = Finish("length", r.out_len)
         del self._by_rid[r.rid]

@@ -35,7 +35,7 @@ import functools
 import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -204,8 +204,10 @@ class SimTokenizer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Any] | None = None,
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
-        """ChatML, append-only: each message renders independently of later ones."""
+        """ChatML, append-only: each message renders independently of later ones (no
+        template variables: ``template_kwargs`` are accepted and ignored)."""
         parts: list[str] = []
         rest = list(messages)
         if tools:
@@ -243,6 +245,7 @@ class SimTokenizer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Any] | None = None,
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt))
 
@@ -337,3 +340,42 @@ def _content_text(content: Any) -> str:
 def default_tokenizer() -> SimTokenizer:
     """The shared tokenizer instance (immutable after construction)."""
     return SimTokenizer()
+
+
+class WorkerTokenizer(Protocol):
+    """What a simulated worker asks of its tokenizer: :class:`SimTokenizer`, or a real
+    model's (:class:`simulator.model.hf_tokenizer.HFWorkerTokenizer`)."""
+
+    @property
+    def eos_token_id(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+    def id_to_piece(self, token_id: int) -> str: ...
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str: ...
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]: ...
+    def pseudo_output_ids(self, seed: int, n: int) -> list[int]: ...
+
+
+@functools.lru_cache(maxsize=8)
+def worker_tokenizer(path: str | None, chat_template: str | None = None) -> WorkerTokenizer:
+    """The arithmetic tokenizer (``path`` None), else the real one in directory ``path``
+    (loaded once per process: every worker of a fleet shares it)."""
+    if path is None:
+        return default_tokenizer()
+    from simulator.model.hf_tokenizer import HFWorkerTokenizer  # needs transformers
+
+    return HFWorkerTokenizer(path, chat_template)

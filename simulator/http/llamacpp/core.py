@@ -53,7 +53,7 @@ class LlamaCppCore(HttpWorker):
         self, config: SimConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0
     ) -> None:
         super().__init__(config, host, port, index)
-        self.engine = SlotWorkerModel.from_config(config)
+        self.engine = SlotWorkerModel.from_config(config, tokenizer=self.tokenizer)
         self.n_ctx: int = self.engine.n_ctx or 0
         self._slot_ids: dict[str, int] = {}  # rid → slot, for handlers that asked
 

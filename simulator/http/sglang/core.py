@@ -56,7 +56,7 @@ class SGLangCore(HttpWorker):
         self.context_length = config.context_length or self.profile.context_length
         self.kv_events = self._kv_publisher(config, index)
         listener = self.kv_events.recorder if self.kv_events is not None else None
-        self.engine = WorkerModel.from_config(config, listener=listener)
+        self.engine = WorkerModel.from_config(config, listener=listener, tokenizer=self.tokenizer)
 
     def _driven_model(self) -> DrivenModel:
         return self.engine

@@ -69,7 +69,7 @@ class InfoRoutes(SGLangCore):
         cfg, profile, engine = self.config, self.profile, self.engine
         return {
             "model_path": cfg.model_path,
-            "tokenizer_path": cfg.model_path,
+            "tokenizer_path": cfg.tokenizer_path or cfg.model_path,
             "served_model_name": self.model,
             "host": self.host,
             "port": self.port,
@@ -168,7 +168,7 @@ class InfoRoutes(SGLangCore):
             {
                 "model_path": cfg.model_path,
                 "served_model_name": self.model,
-                "tokenizer_path": cfg.model_path,
+                "tokenizer_path": cfg.tokenizer_path or cfg.model_path,
                 "is_generation": True,
                 "weight_version": api.WEIGHT_VERSION,
                 "preferred_sampling_params": None,

@@ -50,7 +50,12 @@ class OpenAIRoutes(SGLangCore):
         else:
             tools = body.get("tools")
             tools = tools if isinstance(tools, list) else None
-            prompt = self.tokenizer.encode_chat(messages, tools)
+            kwargs = body.get("chat_template_kwargs")
+            kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+            try:
+                prompt = self.tokenizer.encode_chat(messages, tools, **kwargs)
+            except Exception as exc:  # a template that refuses the conversation (SGLang: 400)
+                raise api.bad_request(f"Error in applying chat template: {exc}") from None
         gen, model, include_usage, continuous = self._openai_common(body, prompt, None)
         if not gen.stream:
             handle = self._submit_openai(gen)
