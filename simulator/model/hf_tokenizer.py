@@ -103,6 +103,44 @@ class HFWorkerTokenizer:
         )
         return [int(i) for i in ids]
 
+    def encode_chat_request(self, body: Mapping[str, Any]) -> list[int]:
+        """A chat request's prompt as SGLang's chat handler builds it: the messages and
+        tools prepared (:func:`sglang_chat_inputs`), ``reasoning_effort`` and
+        ``chat_template_kwargs`` as template variables, a continued final assistant
+        message appended after the prompt."""
+        messages = list(body.get("messages") or [])
+        kwargs: dict[str, Any] = {}
+        effort = body.get("reasoning_effort")
+        if effort is not None:
+            kwargs = {"reasoning_effort": effort, "thinking": effort != "none",
+                      "enable_thinking": effort != "none"}  # fmt: skip
+        given = body.get("chat_template_kwargs")
+        kwargs.update(given if isinstance(given, Mapping) else {})
+        prefix = None
+        last = messages[-1] if messages else None
+        if (
+            body.get("continue_final_message")
+            and isinstance(last, Mapping)
+            and last.get("role") == "assistant"
+            and isinstance(last.get("content"), str)
+        ):
+            prefix, messages = last["content"], messages[:-1]
+        tools = body.get("tools")
+        msgs, tool_list = sglang_chat_inputs(
+            messages, tools if isinstance(tools, list) else None, body.get("tool_choice")
+        )
+        ids = self._tok.apply_chat_template(
+            msgs, tools=tool_list, add_generation_prompt=True, tokenize=True,
+            return_dict=False, **kwargs,
+        )  # fmt: skip
+        ids = [int(i) for i in ids]
+        if prefix:
+            more = self._tok.encode(prefix)
+            if more and more[0] == self._tok.bos_token_id:
+                more = more[1:]
+            ids += more
+        return ids
+
     # ------------------------------------------------------------------ output text
     def pseudo_output_ids(self, seed: int, n: int) -> list[int]:
         ring, size = self._ring, len(self._ring)
@@ -110,38 +148,86 @@ class HFWorkerTokenizer:
         return [ring[(start + i) % size] for i in range(n)]
 
 
+_KEPT = ("tool_call_id", "name", "phase", "reasoning_content", "tool_calls", "tools", "prefix")
+
+
 def sglang_chat_inputs(
-    messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] | None,
+    tool_choice: Any = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """Messages and tools as SGLang 0.5.23 hands them to the template: a tool is its
-    ``function`` object; an assistant tool call's JSON-string ``arguments`` become an
-    object; a content list of text parts is joined into one string."""
+    """Messages and tools as SGLang 0.5.23's chat handler hands them to the template
+    (the common cases; the gateway's ``gateway.exact.request`` predicts the rest):
+
+    * a user message keeps its role and content; other roles keep the fields SGLang's
+      models know, unset ones dropped; a null content becomes ``""``; a list of text
+      parts is joined with spaces;
+    * an assistant tool call's JSON-string ``arguments`` become an object;
+    * a final assistant message with string content becomes a user message;
+    * tools pass when declared and ``tool_choice`` is not ``none`` (default ``auto`` with
+      tools), each as SGLang dumps it: ``{type, function, defer_loading}``, the function's
+      missing ``description`` and ``parameters`` as null.
+    """
     tool_list = None
-    if tools:
-        tool_list = [
-            dict(t["function"]) if isinstance(t, Mapping) and "function" in t else dict(t)
-            for t in tools
-        ]
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        msg = dict(m)
-        content = msg.get("content")
-        if isinstance(content, list) and all(
-            isinstance(p, Mapping) and p.get("type") == "text" for p in content
-        ):
-            msg["content"] = "".join(str(p.get("text", "")) for p in content)
-        calls = msg.get("tool_calls")
-        if isinstance(calls, list):
-            fixed = []
-            for call in calls:
-                call = dict(call) if isinstance(call, Mapping) else call
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
-                    function = dict(function)
-                    with contextlib.suppress(json.JSONDecodeError):
-                        function["arguments"] = json.loads(function["arguments"])
-                    call["function"] = function
-                fixed.append(call)
-            msg["tool_calls"] = fixed
-        out.append(msg)
+    if tools and tool_choice != "none":
+        tool_list = [_tool(t) for t in tools]
+        if isinstance(tool_choice, Mapping):
+            name = (tool_choice.get("function") or {}).get("name")
+            tool_list = [t for t in tool_list if t["function"]["name"] == name] or None
+    out = [_message(m) for m in messages]
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "assistant" and isinstance(last["content"], str):
+        out[-1] = {"role": "user", "content": last["content"]}
     return out, tool_list
+
+
+def _message(m: Mapping[str, Any]) -> dict[str, Any]:
+    content = m.get("content")
+    if isinstance(content, list):
+        content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    elif content is None:
+        content = ""
+    role = str(m.get("role", "user"))
+    if role == "user":
+        return {"role": "user", "content": content}
+    msg: dict[str, Any] = {"role": role.lower(), "content": content}
+    for key in _KEPT:
+        if m.get(key) is not None:
+            msg[key] = m[key]
+    calls = msg.get("tool_calls")
+    if isinstance(calls, list):
+        msg["tool_calls"] = [_tool_call(c, role == "assistant") for c in calls]
+    return msg
+
+
+def _tool_call(call: Any, parse: bool) -> Any:
+    """As SGLang's model dumps it: unset ``id`` and ``index`` stay, as null."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    arguments = call["function"].get("arguments")
+    if parse and isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments)
+    name = call["function"].get("name")
+    return {"id": call.get("id"), "index": call.get("index"), "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+def _tool(t: Any) -> dict[str, Any]:
+    """As SGLang dumps it: the function's known fields in the client's order, then a
+    missing description and parameters as null (strict, defer_loading only when set)."""
+    if not isinstance(t, Mapping) or not isinstance(t.get("function"), Mapping):
+        return dict(t) if isinstance(t, Mapping) else {"function": t}
+    given = t["function"]
+    fields = {k: given.get(k) for k in _FUNCTION_FIELDS}
+    if fields["defer_loading"] is None:
+        fields["defer_loading"] = t.get("defer_loading")
+    for unset in ("strict", "defer_loading"):
+        if fields[unset] is None:
+            del fields[unset]
+    order = [k for k in given if k in fields] + [k for k in fields if k not in given]
+    return {"type": t.get("type", "function"), "function": {k: fields[k] for k in order},
+            "defer_loading": t.get("defer_loading")}  # fmt: skip

@@ -249,6 +249,11 @@ class SimTokenizer:
     ) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt))
 
+    def encode_chat_request(self, body: Mapping[str, Any]) -> list[int]:
+        """A chat request's prompt: its ``messages`` and ``tools`` in ChatML."""
+        tools = body.get("tools")
+        return self.encode_chat(body["messages"], tools if isinstance(tools, list) else None)
+
     # ------------------------------------------------------------------ output text
     def pseudo_output_ids(self, seed: int, n: int) -> list[int]:
         """``n`` deterministic pseudo-English tokens for a request whose hash is ``seed``."""
@@ -367,6 +372,7 @@ class WorkerTokenizer(Protocol):
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]: ...
+    def encode_chat_request(self, body: Mapping[str, Any]) -> list[int]: ...
     def pseudo_output_ids(self, seed: int, n: int) -> list[int]: ...
 
 

@@ -70,6 +70,7 @@ class InfoRoutes(SGLangCore):
         return {
             "model_path": cfg.model_path,
             "tokenizer_path": cfg.tokenizer_path or cfg.model_path,
+            "chat_template": cfg.chat_template,
             "served_model_name": self.model,
             "host": self.host,
             "port": self.port,

@@ -48,12 +48,8 @@ class OpenAIRoutes(SGLangCore):
         if input_ids is not None:
             prompt = self._token_ids("input_ids", input_ids)
         else:
-            tools = body.get("tools")
-            tools = tools if isinstance(tools, list) else None
-            kwargs = body.get("chat_template_kwargs")
-            kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
             try:
-                prompt = self.tokenizer.encode_chat(messages, tools, **kwargs)
+                prompt = self.tokenizer.encode_chat_request(body)
             except Exception as exc:  # a template that refuses the conversation (SGLang: 400)
                 raise api.bad_request(f"Error in applying chat template: {exc}") from None
         gen, model, include_usage, continuous = self._openai_common(body, prompt, None)
