@@ -25,8 +25,8 @@ from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_wo
 from gateway.config.allowlist import HostAllowList
 from gateway.config.policyspec import parse_policy_spec
 from gateway.config.workerspec import configured_kind, parse_worker_spec
-from gateway.exact.manager import KVEventsManager
-from gateway.exact.tokenizer import load_tokenizer
+from gateway.exact.choice import load_choice
+from gateway.exact.manager import FollowedWorker, KVEventsManager
 from gateway.forward.credentials import worker_credentials, worker_key_exposed
 from gateway.forward.upstream import UpstreamPool
 from gateway.http import admin, app_keys, handlers, tuning
@@ -192,17 +192,26 @@ def _session(config: GatewayConfig) -> aiohttp.ClientSession:
 def make_kv_events(
     config: GatewayConfig, registry: WorkerRegistry, session: aiohttp.ClientSession
 ) -> KVEventsManager | None:
-    """Exact mode over the registry's SGLang workers, or None when it is off."""
+    """Exact mode over the registry's workers (``kv_events.enabled`` auto or true), or
+    None when it is off. Which workers it follows, and why not the others:
+    :mod:`gateway.exact.manager`."""
     k = config.kv_events
-    if not k.enabled:
+    if k.enabled == "false":
         return None
     return KVEventsManager(
         k,
-        load_tokenizer(k.tokenizer),
-        lambda: [(w.id, w.url) for w in registry if w.kind == "sglang"],
+        load_choice(k),
+        lambda: [
+            FollowedWorker(w.id, w.url, w.kind, w.metadata.models | _named(w.metadata.model))
+            for w in registry
+        ],
         session,
         clock=registry.clock,
     )
+
+
+def _named(model: str | None) -> frozenset[str]:
+    return frozenset() if model is None else frozenset((model,))
 
 
 @dataclass(frozen=True, slots=True)

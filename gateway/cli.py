@@ -28,11 +28,15 @@ from gateway.config import (
     read_yaml,
 )
 from gateway.config.policyspec import parse_params
+from gateway.exact.choice import load_choice
 from gateway.http import tuning
 from gateway.http.handlers import start_site
 from gateway.telemetry.logs import setup_logging
 
 log = logging.getLogger(__name__)
+
+# --kv-events: the words a boolean flag takes, read as kv_events.enabled's true/false
+_TRISTATE = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}
 
 # flag → (dotted config key, argparse options). Defaults live in gateway/config/ only;
 # a flag absent from the command line leaves the file's (or the default) value.
@@ -79,15 +83,35 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--kv-events": (
         "kv_events.enabled",
         {
-            "type": lambda v: v.lower() in ("1", "true", "yes", "on"),
-            "help": "exact mode: true to follow SGLang KV events (false)",
+            "type": lambda v: _TRISTATE.get(v.lower(), v.lower()),
+            "metavar": "auto|true|false",
+            "help": "exact mode from SGLang KV events: auto follows every worker that "
+            "advertises events when a tokenizer is configured for its model (auto)",
         },
     ),
     "--kv-events-tokenizer": (
         "kv_events.tokenizer",
         {
-            "help": "exact mode tokenizer, required with --kv-events true: hf:<dir> or "
-            "python:<module>:<factory>"
+            "metavar": "SPEC",
+            "help": "exact mode's tokenizer: hf:<dir> (tokenizer.json + chat template, "
+            "local files) or python:<module>:<factory>",
+        },
+    ),
+    "--tokenizer-path": (
+        "kv_events.tokenizer",
+        {
+            "type": lambda v: f"hf:{v}",
+            "metavar": "DIR",
+            "help": "the model's tokenizer directory (tokenizer.json, tokenizer_config.json; "
+            "never downloaded): same as --kv-events-tokenizer hf:DIR",
+        },
+    ),
+    "--chat-template": (
+        "kv_events.chat_template",
+        {
+            "metavar": "FILE",
+            "help": "a Jinja chat template overriding the tokenizer directory's own "
+            "(as the workers' --chat-template)",
         },
     ),
     "--shadow-policy": (
@@ -265,6 +289,8 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         config = config_from_dict(merge(base, overrides))
         # refuse bad policy parameters, and a set that cannot decide, before starting
         tuning.rehearse(make_policy_set(config.policy))
+        if config.kv_events.enabled == "true":  # auto: a failure is a worker's reason
+            load_choice(config.kv_events)
         return config
     except ConfigError as exc:
         raise ConfigError(_name_flag(exc)) from None

@@ -32,6 +32,9 @@ from gateway.config.policyspec import parse_policy_spec
 from gateway.config.workerspec import AUTO, KIND_NAMES, parse_worker_spec
 
 TOKENIZER_SCHEMES = ("hf:", "python:")  # kv_events.tokenizer (gateway.exact.tokenizer)
+KV_EVENTS_MODES = ("auto", "true", "false")  # kv_events.enabled
+# String keys whose values include "true"/"false", so a YAML boolean is read as that word.
+BOOLEAN_STRINGS = frozenset({"kv_events.enabled"})
 LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 
 
@@ -247,13 +250,29 @@ class TelemetryConfig:
 class KVEventsConfig:
     """Exact mode from SGLang KV events (gateway.exact.manager, docs/KV_EVENTS.md)."""
 
-    # Follow the KV events of workers whose /server_info advertises them.
-    enabled: bool = False
+    # Exact mode: follow the KV events of workers whose /server_info advertises them.
+    # "auto" (default): wherever a worker advertises events and a tokenizer is configured
+    # for its model (and its packages import); every other worker stays approximate, with
+    # the reason shown per worker (/workers, dashboard, one log line). "true": as auto,
+    # but a missing or unloadable tokenizer is a start-up error. "false": never.
+    enabled: str = "auto"
     # How prompts become the worker's token ids: "hf:<dir>" (tokenizer.json + chat template
-    # from a local directory) or "python:<module>:<factory>" (a tokenizer object built by
-    # that callable, e.g. the simulator's for tests); required when exact mode is on: a
-    # tokenizer the workers do not use would make every exact match wrong.
+    # from a local directory, never downloaded) or "python:<module>:<factory>" (a tokenizer
+    # object built by that callable, e.g. the simulator's for tests). The default for every
+    # model; a tokenizer the workers do not use would make every exact match wrong.
     tokenizer: str = ""
+    # A chat template file overriding the default tokenizer's own (like SGLang's
+    # --chat-template); "" keeps tokenizer_config.json's / chat_template.jinja.
+    chat_template: str = ""
+    # Per model: {model name: "hf:<dir>" | "python:..."}, matched against every name a
+    # worker serves under (served_model_name, model path); models absent here use
+    # `tokenizer`.
+    tokenizers: Mapping[str, str] = field(default_factory=dict)
+    # A worker whose model has no tokenizer above: use the one its /server_info names
+    # (tokenizer_path, and chat_template if set), when that is an absolute local
+    # directory with a tokenizer.json (a gateway beside its workers, or shared model
+    # storage); read locally, never downloaded.
+    tokenizer_from_workers: bool = True
     # A request dispatched to an exact-mode worker not followed by any event within this
     # makes the worker `degraded` (routing falls back to the approximate index).
     stale_timeout_s: float = 5.0
@@ -373,6 +392,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool) and key in BOOLEAN_STRINGS:  # `enabled: true` in YAML
+            return "true" if value else "false"
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     if origin is tuple:
         if isinstance(value, str):
@@ -689,16 +710,37 @@ def _validate_kv_events(k: KVEventsConfig) -> None:
         k.ttl_min_s,
     )
     _check(
-        k.tokenizer == "" or k.tokenizer.startswith(TOKENIZER_SCHEMES),
+        k.enabled in KV_EVENTS_MODES,
+        "kv_events.enabled",
+        f"must be one of {', '.join(KV_EVENTS_MODES)}",
+        k.enabled,
+    )
+    specs = [("kv_events.tokenizer", k.tokenizer)]
+    specs += [(f"kv_events.tokenizers.{m}", v) for m, v in k.tokenizers.items()]
+    for key, spec in specs:
+        _check(
+            isinstance(spec, str) and (spec == "" or spec.startswith(TOKENIZER_SCHEMES)),
+            key,
+            "must be 'hf:<directory>' or 'python:<module>:<factory>'",
+            spec,
+        )
+    _check(
+        k.enabled != "true" or bool(k.tokenizer) or bool(k.tokenizers),
         "kv_events.tokenizer",
-        "must be 'hf:<directory>' or 'python:<module>:<factory>'",
+        "must name the workers' tokenizer when kv_events.enabled is true",
         k.tokenizer,
     )
     _check(
-        not k.enabled or bool(k.tokenizer),
-        "kv_events.tokenizer",
-        "must name the workers' tokenizer when kv_events.enabled",
-        k.tokenizer,
+        not k.chat_template or Path(k.chat_template).is_file(),
+        "kv_events.chat_template",
+        "must be a readable file",
+        k.chat_template,
+    )
+    _check(
+        not k.chat_template or k.tokenizer.startswith("hf:"),
+        "kv_events.chat_template",
+        "applies to an hf:<directory> tokenizer (kv_events.tokenizer)",
+        k.chat_template,
     )
 
 

@@ -7,6 +7,10 @@ blocks (:mod:`gateway.exact.index`), tracks each worker's **mode** and answers
 :meth:`KVEventsManager.match` for the workers in exact mode. Requests reach it through
 :class:`gateway.exact.request.ExactRequest` (:meth:`KVEventsManager.prepare`).
 
+Which workers are followed: SGLang workers whose ``/server_info`` advertises events and
+whose model has a tokenizer (:mod:`gateway.exact.choice`); every other worker is
+approximate, and :meth:`KVEventsManager.reason` says why (logged once per change).
+
 Modes, per worker: ``approximate`` (no events configured or discoverable), ``exact``
 (events flowing), ``degraded`` (events configured but a request dispatched there saw no
 event within ``stale_timeout_s``, or a gap could not be filled). An idle worker publishes
@@ -34,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -41,6 +46,7 @@ import orjson
 import zmq.asyncio
 
 from gateway.config import KVEventsConfig
+from gateway.exact.choice import NO_TOKENIZER, TokenizerChoice, load_cached
 from gateway.exact.feed import RankFeed
 from gateway.exact.index import ExactIndex, Namespace, PredictedBlocks, chain_hashes, namespace_seed
 from gateway.exact.request import ExactRequest
@@ -59,6 +65,16 @@ MODES = (MODE_EXACT, MODE_APPROXIMATE, MODE_DEGRADED)
 KVEventsSettings = KVEventsConfig
 
 
+@dataclass(frozen=True, slots=True)
+class FollowedWorker:
+    """A worker as the manager is told of it (``workers()``): where, what kind, what model."""
+
+    id: str
+    url: str
+    kind: str = "sglang"
+    models: frozenset[str] = frozenset()  # every name it serves under
+
+
 @dataclass(slots=True)
 class _WorkerState:
     desc: Descriptor | None = None
@@ -69,6 +85,10 @@ class _WorkerState:
     degraded_until: float = 0.0  # after an unfillable gap
     last_event_at: float | None = None
     last_delay_s: float | None = None
+    tokenizer: Tokenizer | None = None
+    from_worker: bool = False  # the tokenizer is the one its /server_info names
+    why: str = "waiting for its first /server_info"  # while approximate
+    lost_at: float | None = None  # last unfillable gap
 
 
 @dataclass(slots=True)
@@ -84,20 +104,24 @@ class Fidelity:
 class KVEventsManager:
     """Discovery, feeds, modes and exact matching for a set of workers (module docstring).
 
-    ``workers()`` lists ``(worker id, url)`` pairs to follow; the manager re-reads it and
-    ``/server_info`` every ``discovery_interval_s``.
+    ``workers()`` lists the workers (:class:`FollowedWorker`, or ``(id, url)`` pairs for
+    SGLang workers of the default model); the manager re-reads it and ``/server_info``
+    every ``discovery_interval_s``. ``tokenizers``: one tokenizer for every model, or a
+    :class:`~gateway.exact.choice.TokenizerChoice` per model.
     """
 
     def __init__(
         self,
         settings: KVEventsSettings,
-        tokenizer: Tokenizer,
-        workers: Callable[[], Iterable[tuple[str, str]]],
+        tokenizers: Tokenizer | TokenizerChoice,
+        workers: Callable[[], Iterable[FollowedWorker | tuple[str, str]]],
         session: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self.tokenizer = tokenizer
+        self.tokenizers = (
+            tokenizers if isinstance(tokenizers, TokenizerChoice) else TokenizerChoice(tokenizers)
+        )
         self.index = ExactIndex()
         self.predicted = PredictedBlocks(
             settings.ttl_factor, settings.ttl_min_s, settings.ttl_max_s
@@ -106,7 +130,8 @@ class KVEventsManager:
         self._session = session
         self._clock = clock
         self._ctx = zmq.asyncio.Context()
-        self._states: dict[str, _WorkerState] = {}
+        self._states: dict[str, _WorkerState] = {}  # the SGLang workers with a tokenizer
+        self._unfollowed: dict[str, str] = {}  # every other worker: why
         self._discovery: asyncio.Task[None] | None = None
         self.fidelity: dict[tuple[str, str], Fidelity] = {}
 
@@ -134,39 +159,91 @@ class KVEventsManager:
 
     async def discover(self) -> None:
         """Subscribe to new workers, drop removed ones, resubscribe restarted ones."""
-        current = dict(self._workers())
+        current: dict[str, FollowedWorker] = {}
+        listed = [
+            e if isinstance(e, FollowedWorker) else FollowedWorker(*e) for e in self._workers()
+        ]
+        for w in listed:
+            tokenizer, why = self.tokenizers.for_models(w.models)
+            from_worker = why == NO_TOKENIZER and self.settings.tokenizer_from_workers
+            if w.kind != "sglang":
+                why = f"a {w.kind} worker publishes no KV events"
+            elif from_worker:
+                why = None  # its /server_info may name a local tokenizer directory
+            if why is None:
+                current[w.id] = w
+                state = self._states.setdefault(w.id, _WorkerState())
+                if not from_worker:
+                    state.tokenizer, state.from_worker = tokenizer, False
+                elif not state.from_worker:
+                    state.tokenizer, state.from_worker = None, True
+                self._unfollowed.pop(w.id, None)
+            elif self._unfollowed.get(w.id) != why:
+                self._unfollowed[w.id] = why
+                log.info("kv events: worker %s stays approximate: %s", w.id, why)
+        ids = {w.id for w in listed}
+        for wid in [w for w in self._unfollowed if w not in ids]:
+            del self._unfollowed[wid]
         for wid in [w for w in self._states if w not in current]:
             await self._unsubscribe(wid)
             self.index.clear(wid)
             self.predicted.forget(wid)
             del self._states[wid]
-        infos = await asyncio.gather(*(self._server_info(url) for url in current.values()))
-        for (wid, url), info in zip(current.items(), infos, strict=True):
-            state = self._states.setdefault(wid, _WorkerState())
-            if info is None:
+        infos = await asyncio.gather(*(self._server_info(w.url) for w in current.values()))
+        for w, info in zip(current.values(), infos, strict=True):
+            state = self._states[w.id]
+            if isinstance(info, str):
+                self._note(w.id, state, info)
                 continue
-            desc = Descriptor.parse(info.get("kv_events") or {}, url)
+            if state.from_worker:
+                found = await self._worker_tokenizer(info)
+                if isinstance(found, str):
+                    await self._unsubscribe(w.id)
+                    self.index.clear(w.id)
+                    state.desc = state.startup = state.tokenizer = None
+                    self._note(w.id, state, found)
+                    continue
+                state.tokenizer = found
+            desc = Descriptor.parse(info.get("kv_events") or {}, w.url)
             startup = info.get("startup_time")
             if desc == state.desc and startup == state.startup:
                 continue
-            await self._unsubscribe(wid)
-            self.index.clear(wid)
+            await self._unsubscribe(w.id)
+            self.index.clear(w.id)
             state.desc, state.startup, state.awaiting_since = desc, startup, None
             if desc is not None:
-                self._subscribe(wid, state, desc)
+                self._subscribe(w.id, state, desc)
+                log.info(
+                    "kv events: following worker %s (%d rank feeds, page %d)",
+                    w.id, desc.dp_size, desc.block_size,
+                )  # fmt: skip
+            else:
+                self._note(w.id, state, "its /server_info advertises no kv_events")
 
-    async def _server_info(self, url: str) -> dict[str, Any] | None:
+    async def _worker_tokenizer(self, info: dict[str, Any]) -> Tokenizer | str:
+        """The tokenizer a worker's ``/server_info`` names, when it is a local directory
+        (the gateway beside its workers, or shared model storage), else why not.
+        Loaded once per directory, off the event loop; never downloaded."""
+        return await asyncio.to_thread(_named_tokenizer, info)
+
+    def _note(self, wid: str, state: _WorkerState, why: str) -> None:
+        if state.desc is None and state.why != why:
+            log.info("kv events: worker %s stays approximate: %s", wid, why)
+        state.why = why
+
+    async def _server_info(self, url: str) -> dict[str, Any] | str:
+        """The worker's ``/server_info``, or why there is none."""
         try:
             timeout = aiohttp.ClientTimeout(total=2.0)
             async with self._session.get(
                 f"{url}/server_info", timeout=timeout, allow_redirects=False
             ) as resp:
                 if resp.status != 200:
-                    return None
+                    return f"its /server_info answered HTTP {resp.status}"
                 body = orjson.loads(await resp.read())
-                return body if isinstance(body, dict) else None
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-            return None
+                return body if isinstance(body, dict) else "its /server_info is not an object"
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            return f"no /server_info ({type(exc).__name__})"
 
     def _subscribe(self, wid: str, state: _WorkerState, desc: Descriptor) -> None:
         loop = asyncio.get_running_loop()
@@ -215,7 +292,8 @@ class KVEventsManager:
         self.index.clear(wid, rank)
         state = self._states.get(wid)
         if state is not None:
-            state.degraded_until = self._clock() + self.settings.stale_timeout_s
+            state.lost_at = self._clock()
+            state.degraded_until = state.lost_at + self.settings.stale_timeout_s
         log.warning("kv events: worker %s rank %d lost batches replay could not fill", wid, rank)
 
     # modes and matching ------------------------------------------------------
@@ -233,6 +311,30 @@ class KVEventsManager:
 
     def modes(self) -> dict[str, str]:
         return {wid: self.mode(wid) for wid in self._states}
+
+    def reason(self, worker_id: str) -> str:
+        """Why the worker is in its mode, in words for an operator."""
+        state = self._states.get(worker_id)
+        if state is None:
+            return self._unfollowed.get(worker_id, "not yet discovered")
+        mode = self.mode(worker_id)
+        if mode == MODE_APPROXIMATE:
+            return state.why
+        if mode == MODE_DEGRADED:
+            if self._clock() < state.degraded_until:
+                return "lost KV-event batches that replay could not fill; back after a pause"
+            return (
+                f"no KV event within {self.settings.stale_timeout_s:g} s of a dispatch: "
+                "the approximate index routes it until events flow again"
+            )
+        assert state.desc is not None
+        d = state.desc
+        return f"following its KV events (tcp://{d.host}:{d.port_base}, page {d.block_size})"
+
+    def tokenizer_for(self, worker_id: str) -> Tokenizer | None:
+        """The tokenizer of a followed worker's model (None: not followed)."""
+        state = self._states.get(worker_id)
+        return None if state is None else state.tokenizer
 
     def block_size(self, worker_id: str) -> int | None:
         state = self._states.get(worker_id)
@@ -311,6 +413,7 @@ class KVEventsManager:
         for wid, state in self._states.items():
             out[wid] = {
                 "mode": self.mode(wid),
+                "reason": self.reason(wid),
                 "blocks": self.index.blocks(wid),
                 "batches": sum(f.batches for f in state.feeds),
                 "replays": sum(f.replays for f in state.feeds),
@@ -322,3 +425,22 @@ class KVEventsManager:
             "predicted_ttl_s": self.predicted.ttl_s,
             "dropped_orphans": self.index.dropped_orphans,
         }
+
+
+def _named_tokenizer(info: dict[str, Any]) -> Tokenizer | str:
+    path, template = info.get("tokenizer_path"), info.get("chat_template")
+    if not (
+        isinstance(path, str)
+        and Path(path).is_absolute()
+        and (Path(path) / "tokenizer.json").is_file()
+    ):
+        return (
+            f"{NO_TOKENIZER}, and the tokenizer_path its /server_info names ({path!r}) "
+            "is not a local directory with a tokenizer.json"
+        )
+    if template is not None and not (isinstance(template, str) and Path(template).is_file()):
+        return f"it renders chats with its own --chat-template {template!r}, not a local file"
+    try:
+        return load_cached(f"hf:{path}", template or "")
+    except Exception as exc:  # ImportError, OSError, ValueError, the tokenizer's own
+        return f"the tokenizer at {path} could not be loaded: {type(exc).__name__}: {exc}"

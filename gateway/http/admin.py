@@ -97,14 +97,29 @@ async def post_workers(request: web.Request) -> web.Response:
     return await _add(request, body["url"], body.get("kind"))
 
 
-async def list_workers(request: web.Request) -> web.Response:
+def _described(app: web.Application, workers: list[Worker]) -> list[dict[str, Any]]:
+    """Each worker as the registry describes it, with its routing mode and the reason
+    (exact mode's, from the fleet snapshot)."""
     now = time.monotonic()
-    workers = [w.describe(now) for w in request.app[app_keys.REGISTRY]]
+    modes = {w.worker: w for w in app[app_keys.TELEMETRY].snapshot().workers}
+    out = []
+    for w in workers:
+        d = w.describe(now)
+        snap = modes.get(w.id)
+        if snap is not None:
+            d["index_mode"], d["index_mode_reason"] = snap.index_mode, snap.index_mode_reason
+        out.append(d)
+    return out
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    registry = request.app[app_keys.REGISTRY]
+    workers = _described(request.app, list(registry))
     return _json({"workers": workers, "total": len(workers)})
 
 
 async def get_worker(request: web.Request) -> web.Response:
-    return _json(_worker(request).describe(time.monotonic()))
+    return _json(_described(request.app, [_worker(request)])[0])
 
 
 async def delete_worker(request: web.Request) -> web.Response:

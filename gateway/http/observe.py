@@ -154,6 +154,8 @@ class ModeSource(Protocol):
 
     def mode(self, worker_id: str) -> str: ...
 
+    def reason(self, worker_id: str) -> str: ...
+
 
 class TokenRatioSource(Protocol):
     """Characters per token learnt from the workers (``gateway.routing.tokens``)."""
@@ -163,6 +165,7 @@ class TokenRatioSource(Protocol):
 
 
 MODE_APPROXIMATE = "approximate"  # every worker's mode when exact mode is off
+EXACT_OFF = "exact mode is off (kv_events.enabled: false)"
 
 
 class RegistrySnapshot:
@@ -208,6 +211,7 @@ class RegistrySnapshot:
             engine_age_s=None if load is None else max(0.0, now - w.load_read_at),
             index=figures,
             index_mode=MODE_APPROXIMATE if self.modes is None else self.modes.mode(w.id),
+            index_mode_reason=EXACT_OFF if self.modes is None else self.modes.reason(w.id),
             mode_fidelity=() if self.modes is None else self._fidelity(w.id),
         )
 

@@ -53,6 +53,7 @@ class WorkerSnapshot:
     index: IndexFigures | None = None
     # exact / approximate / degraded (gateway.exact.manager); None: not reported
     index_mode: str | None = None
+    index_mode_reason: str | None = None  # why it is in that mode, for an operator
     # (mode, requests, predicted, true predicted, reported) cached tokens, cumulative
     mode_fidelity: Sequence[tuple[str, int, int, int, int]] = ()
 
@@ -71,6 +72,7 @@ class WorkerSnapshot:
             "engine_token_usage": self.engine_token_usage,
             "engine_age_s": self.engine_age_s,
             "index_mode": self.index_mode,
+            "index_mode_reason": self.index_mode_reason,
         }
 
 

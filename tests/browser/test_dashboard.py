@@ -300,9 +300,11 @@ async def test_dashboard_through_gateway_and_simulated_fleet(
             )
             assert await page.inner_text("#total-requests") == "0"
             assert await page.inner_text("#policy") == "min_ttft"
-            for wid in ids:  # exact mode off: every worker on the approximate index
+            for wid in ids:  # no tokenizer configured: every worker approximate, and why
                 cell = f'#workers tr[data-worker="{wid}"] td[data-field="mode"]'
-                assert await page.inner_text(cell) == "approximate"
+                await page.wait_for_selector(f"{cell} .reason", timeout=10_000)
+                assert await page.inner_text(f"{cell} .badge") == "approximate"
+                assert "no tokenizer configured" in await page.inner_text(f"{cell} .reason")
 
             await _shared_prefix_traffic(url, 24)
             await page.wait_for_function(

@@ -1,6 +1,7 @@
 """Exact mode through the gateway: modes on /metrics, exact matches in decisions, fallback.
 
-A simulated fleet publishes KV events; the gateway (``kv_events.enabled``) shows
+A simulated fleet publishes KV events; the gateway (``kv_events.enabled``: true, and
+auto, the default, when a tokenizer is configured) shows
 ``gateway_index_mode{...,mode="exact"} 1`` for every worker, predicts exactly what the
 worker then reports as cached, and when a worker's events stop it turns ``degraded``
 while requests keep being served.
@@ -117,8 +118,11 @@ async def _exact_again(s: aiohttp.ClientSession, url: str, worker: str) -> bool:
     return _mode_line(worker, "exact") in await _metrics(s, url)
 
 
-async def test_gateway_without_kv_events_is_approximate(kv_fleet: SimulatedFleet) -> None:
-    async with run_gateway(kv_fleet.urls) as gw, aiohttp.ClientSession() as s:
+async def test_gateway_with_kv_events_off_is_approximate(kv_fleet: SimulatedFleet) -> None:
+    async with (
+        run_gateway(kv_fleet.urls, kv_events__enabled=False) as gw,
+        aiohttp.ClientSession() as s,
+    ):
         text = await _metrics(s, gw.url)
         for url in kv_fleet.urls:
             assert _mode_line(worker_id_for(url), "approximate") in text

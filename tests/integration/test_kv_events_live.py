@@ -16,8 +16,7 @@ import aiohttp
 import pytest
 
 from gateway.exact.manager import MODE_DEGRADED, MODE_EXACT, KVEventsManager, KVEventsSettings
-from gateway.exact.request import request_tokens
-from gateway.exact.tokenizer import load_tokenizer
+from gateway.exact.tokenizer import Tokenizer, load_tokenizer
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import ApiKind, RequestSettings, parse_request
 from loadtests.harness.inprocess import SIM_TOKENIZER
@@ -63,6 +62,11 @@ class _Client:
         self.approx = PrefixIndex()
         self.settings = RequestSettings()
 
+    def _tokenizer(self, wid: str) -> Tokenizer:
+        tok = self.mgr.tokenizer_for(wid)
+        assert tok is not None, f"{wid} is not followed"
+        return tok
+
     def body(self, text: str) -> bytes:
         return b'{"text":"' + text.encode() + b'","sampling_params":{"max_new_tokens":1}}'
 
@@ -70,14 +74,14 @@ class _Client:
         body = self.body(text)
         req = parse_request(ApiKind.GENERATE, body, {}, self.settings)
         approx = req.matched_tokens(self.approx.match(req.block_hashes).get(wid, 0))
-        ids, ns = request_tokens("generate", body, self.mgr.tokenizer)
+        ids, ns = self.mgr.prepare("generate", body).tokens(self._tokenizer(wid))
         return self.mgr.match(ids, ns, [wid]).get(wid, -1), approx
 
     async def send(self, url: str, wid: str, text: str) -> dict[str, Any]:
         body = self.body(text)
         req = parse_request(ApiKind.GENERATE, body, {}, self.settings)
         self.approx.record(req.block_hashes, wid)
-        ids, ns = request_tokens("generate", body, self.mgr.tokenizer)
+        ids, ns = self.mgr.prepare("generate", body).tokens(self._tokenizer(wid))
         self.mgr.dispatched(wid, ids, ns)
         async with self.session.post(f"{url}/generate", data=body) as resp:
             assert resp.status == 200, await resp.text()

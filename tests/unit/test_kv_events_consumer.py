@@ -248,7 +248,7 @@ async def test_modes_degrade_after_silence_and_return() -> None:
         try:
             assert mgr.mode("w") == MODE_APPROXIMATE
             desc = Descriptor("127.0.0.1", 1, "", 4, 1, None)
-            mgr._states["w"] = _WorkerState(desc=desc)
+            mgr._states["w"] = _WorkerState(tokenizer=mgr.tokenizers.default, desc=desc)
             assert mgr.mode("w") == MODE_EXACT  # idle: silence is fine
             mgr.dispatched("w", _ids(8), NS0)
             assert mgr.match(_ids(9), NS0, ["w"]) == {"w": 8}  # predicted (hybrid)
@@ -275,7 +275,9 @@ async def test_prepared_request_and_fidelity() -> None:
             KVEventsSettings(enabled=True), load_tokenizer(SIM_TOKENIZER), list, session
         )
         try:
-            mgr._states["w"] = _WorkerState(desc=Descriptor("127.0.0.1", 1, "", 4, 1, None))
+            mgr._states["w"] = _WorkerState(
+                tokenizer=mgr.tokenizers.default, desc=Descriptor("127.0.0.1", 1, "", 4, 1, None)
+            )
             mgr._apply("w", 0, 0.0, [Stored([7], None, _ids(4), 4)])
             req = mgr.prepare("generate", b'{"input_ids":[1,2,3,4,5,6,7,8,9]}')
             assert req.match(["w", "other"]) == {"w": 4} and req.mode("other") == MODE_APPROXIMATE
@@ -300,7 +302,9 @@ async def test_a_match_stops_one_token_short_of_the_prompt() -> None:
             session,
         )  # fmt: skip
         try:
-            mgr._states["w"] = _WorkerState(desc=Descriptor("127.0.0.1", 1, "", 4, 1, None))
+            mgr._states["w"] = _WorkerState(
+                tokenizer=mgr.tokenizers.default, desc=Descriptor("127.0.0.1", 1, "", 4, 1, None)
+            )
             mgr._apply("w", 0, 0.0, [Stored([7, 8, 9], None, _ids(12), 4)])
             assert [mgr.match(_ids(n), NS0, ["w"])["w"] for n in (3, 4, 5, 8, 9, 12, 13)] == [
                 0, 0, 4, 4, 8, 8, 12,
