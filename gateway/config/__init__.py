@@ -273,6 +273,14 @@ class KVEventsConfig:
     # directory with a tokenizer.json (a gateway beside its workers, or shared model
     # storage); read locally, never downloaded.
     tokenizer_from_workers: bool = True
+    # Exact mode tokenizes on the event loop, so its work per request is bounded: a body
+    # larger than this many bytes is not tokenized (routed by the approximate index,
+    # like an unfollowed worker); 0 tokenizes none. ~0.6 s of BPE for 1 MiB of text.
+    max_tokenize_bytes: int = 1 << 20
+    # CPU bound of one chat-template render (a template may be quadratic or worse in the
+    # conversation: Gemma 4's takes 95 s for 4,000 short messages); beyond it the request
+    # gets no exact hit.
+    max_render_s: float = 0.1
     # A request dispatched to an exact-mode worker not followed by any event within this
     # makes the worker `degraded` (routing falls back to the approximate index).
     stale_timeout_s: float = 5.0
@@ -701,8 +709,15 @@ def _validate_kv_events(k: KVEventsConfig) -> None:
         ("kv_events.replay_timeout_s", k.replay_timeout_s),
         ("kv_events.discovery_interval_s", k.discovery_interval_s),
         ("kv_events.ttl_factor", k.ttl_factor),
+        ("kv_events.max_render_s", k.max_render_s),
     ):
         _check(value > 0, key, "must be > 0", value)
+    _check(
+        k.max_tokenize_bytes >= 0,
+        "kv_events.max_tokenize_bytes",
+        "must be >= 0",
+        k.max_tokenize_bytes,
+    )
     _check(
         0 <= k.ttl_min_s <= k.ttl_max_s,
         "kv_events.ttl_min_s",

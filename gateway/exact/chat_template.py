@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Mapping, Sequence
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 # The named special tokens ``transformers`` hands every template (``special_tokens_map``).
 SPECIAL_TOKEN_NAMES = (
@@ -68,10 +70,65 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # What ``continue_final_message`` appends to the final message, to find where it ends.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# CPU bound of one render (seconds), unless the caller gives another: the gateway renders
+# on its event loop, and a template may be quadratic or worse in the conversation.
+DEFAULT_RENDER_BUDGET_S = 0.1
 
 
 class ChatTemplateError(ValueError):
     """The template failed to compile, refused the conversation, or failed rendering it."""
+
+
+class RenderBudgetExceeded(ChatTemplateError):
+    """A render used more than its CPU budget (checked at every attribute, item and call
+    the template makes and every ``range`` step): abandoned, never retried."""
+
+
+class _Budget(Exception):
+    """Raised inside Jinja when the deadline passed (no TypeError/LookupError: nothing in
+    the sandbox swallows it); :meth:`ChatTemplate.render` turns it into
+    :class:`RenderBudgetExceeded`."""
+
+
+class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with a deadline checked on every attribute, item and call."""
+
+    deadline = math.inf
+
+    def tick(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise _Budget
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self.tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self.tick()
+        return super().getitem(obj, argument)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        __self.tick()
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+class _Range(Sequence[int]):
+    """The sandbox's ``range`` (at most 100,000 items), checking the deadline per step."""
+
+    def __init__(self, env: _BudgetedEnvironment, r: range) -> None:
+        self._env, self._r = env, r
+
+    def __len__(self) -> int:
+        return len(self._r)
+
+    def __getitem__(self, i: Any) -> Any:
+        got = self._r[i]
+        return _Range(self._env, got) if isinstance(got, range) else got
+
+    def __iter__(self) -> Iterator[int]:
+        for i in self._r:
+            self._env.tick()
+            yield i
 
 
 class _Generation(jinja2.ext.Extension):
@@ -105,8 +162,8 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _environment(clock: Callable[[], datetime]) -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment(clock: Callable[[], datetime]) -> _BudgetedEnvironment:
+    env = _BudgetedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_Generation, jinja2.ext.loopcontrols],
@@ -114,6 +171,7 @@ def _environment(clock: Callable[[], datetime]) -> ImmutableSandboxedEnvironment
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: clock().strftime(fmt)
+    env.globals["range"] = lambda *args: _Range(env, safe_range(*args))
     return env
 
 
@@ -122,7 +180,8 @@ class ChatTemplate:
     tokenize=False)`` renders it.
 
     ``special_tokens`` are the tokenizer's (:func:`special_tokens`); ``clock`` is what
-    ``strftime_now`` reads (the local time by default).
+    ``strftime_now`` reads (the local time by default); ``budget_s`` bounds one render's
+    CPU (:class:`RenderBudgetExceeded` beyond it; None: unbounded).
     """
 
     def __init__(
@@ -130,8 +189,10 @@ class ChatTemplate:
         source: str,
         special_tokens: Mapping[str, str] | None = None,
         clock: Callable[[], datetime] = datetime.now,
+        budget_s: float | None = DEFAULT_RENDER_BUDGET_S,
     ) -> None:
         self.source = source
+        self.budget_s = budget_s
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self._env = _environment(clock)
         try:
@@ -169,6 +230,8 @@ class ChatTemplate:
         for name in ("messages", "tools", "documents", "add_generation_prompt"):
             if name in variables:
                 raise ChatTemplateError(f"template argument {name!r} given twice")
+        if self.budget_s is not None:
+            self._env.deadline = time.perf_counter() + self.budget_s
         try:
             text = self._template.render(
                 messages=chat,
@@ -179,8 +242,14 @@ class ChatTemplate:
             )
         except ChatTemplateError:
             raise
+        except _Budget:
+            raise RenderBudgetExceeded(
+                f"chat template render exceeded its {self.budget_s:g} s budget"
+            ) from None
         except Exception as exc:  # TemplateError, UndefinedError, TypeError, ...: a refusal
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._env.deadline = math.inf
         if continue_final_message:
             text = self._cut_at_tag(text, final_text)
         return text

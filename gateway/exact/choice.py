@@ -55,9 +55,18 @@ class TokenizerChoice:
 
 
 @functools.lru_cache(maxsize=64)
-def load_cached(spec: str, chat_template: str = "") -> Tokenizer:
-    """:func:`gateway.exact.tokenizer.load_tokenizer`, once per (spec, template)."""
-    return load_tokenizer(spec, chat_template_file=chat_template or None)
+def load_cached(
+    spec: str, chat_template: str = "", render_budget_s: float | None = None
+) -> Tokenizer:
+    """:func:`gateway.exact.tokenizer.load_tokenizer`, once per (spec, template, budget)."""
+    return load_tokenizer(spec, chat_template or None, render_budget_s)
+
+
+@functools.lru_cache(maxsize=8)
+def load_worker_cached(directory: str, chat_template: str, render_budget_s: float) -> Tokenizer:
+    """A tokenizer a worker's ``/server_info`` names (resolved paths): a cache of its own,
+    small, so workers naming many directories cannot pin many tokenizers in memory."""
+    return load_tokenizer(f"hf:{directory}", chat_template or None, render_budget_s)
 
 
 def load_choice(k: KVEventsConfig) -> TokenizerChoice:
@@ -73,7 +82,7 @@ def load_choice(k: KVEventsConfig) -> TokenizerChoice:
         if not spec:
             continue
         try:
-            tok = load_cached(spec, template)
+            tok = load_cached(spec, template, k.max_render_s)
         except Exception as exc:  # ImportError, OSError, ValueError, a tokenizer's own
             reason = f"tokenizer {spec!r} could not be loaded: {type(exc).__name__}: {exc}"
             if strict:

@@ -46,7 +46,7 @@ import orjson
 import zmq.asyncio
 
 from gateway.config import KVEventsConfig
-from gateway.exact.choice import NO_TOKENIZER, TokenizerChoice, load_cached
+from gateway.exact.choice import NO_TOKENIZER, TokenizerChoice, load_worker_cached
 from gateway.exact.feed import RankFeed
 from gateway.exact.index import ExactIndex, Namespace, PredictedBlocks, chain_hashes, namespace_seed
 from gateway.exact.request import ExactRequest
@@ -59,6 +59,11 @@ MODE_EXACT = "exact"
 MODE_APPROXIMATE = "approximate"
 MODE_DEGRADED = "degraded"
 MODES = (MODE_EXACT, MODE_APPROXIMATE, MODE_DEGRADED)
+# A worker-named tokenizer file larger than this is not read (real tokenizer.json files
+# are under 40 MB).
+MAX_WORKER_FILE_BYTES = 64 << 20
+# Worker-controlled text quoted in a reason (shown in /workers, logged) is cut to this.
+MAX_QUOTED = 160
 
 # The ``kv_events:`` config section, as the manager takes it (defaults and their reasons
 # in gateway/config/__init__.py).
@@ -195,36 +200,47 @@ class KVEventsManager:
             if isinstance(info, str):
                 self._note(w.id, state, info)
                 continue
-            if state.from_worker:
-                found = await self._worker_tokenizer(info)
-                if isinstance(found, str):
-                    await self._unsubscribe(w.id)
-                    self.index.clear(w.id)
-                    state.desc = state.startup = state.tokenizer = None
-                    self._note(w.id, state, found)
-                    continue
-                state.tokenizer = found
-            desc = Descriptor.parse(info.get("kv_events") or {}, w.url)
-            startup = info.get("startup_time")
-            if desc == state.desc and startup == state.startup:
-                continue
-            await self._unsubscribe(w.id)
-            self.index.clear(w.id)
-            state.desc, state.startup, state.awaiting_since = desc, startup, None
-            if desc is not None:
-                self._subscribe(w.id, state, desc)
-                log.info(
-                    "kv events: following worker %s (%d rank feeds, page %d)",
-                    w.id, desc.dp_size, desc.block_size,
-                )  # fmt: skip
-            else:
-                self._note(w.id, state, "its /server_info advertises no kv_events")
+            try:
+                await self._follow(w, state, info)
+            except Exception as exc:  # a malformed /server_info: this worker only
+                await self._unsubscribe(w.id)
+                self.index.clear(w.id)
+                state.desc = state.startup = None
+                self._note(w.id, state, f"its /server_info is unusable ({type(exc).__name__})")
+
+    async def _follow(self, w: FollowedWorker, state: _WorkerState, info: dict[str, Any]) -> None:
+        """Apply one worker's ``/server_info``: its tokenizer (if it names it), then its
+        descriptor (subscribing again when it or the worker's start time changed)."""
+        if state.from_worker:
+            found = await self._worker_tokenizer(info)
+            if isinstance(found, str):
+                await self._unsubscribe(w.id)
+                self.index.clear(w.id)
+                state.desc = state.startup = state.tokenizer = None
+                self._note(w.id, state, found)
+                return
+            state.tokenizer = found
+        desc = Descriptor.parse(info.get("kv_events") or {}, w.url)
+        startup = info.get("startup_time")
+        if desc == state.desc and startup == state.startup:
+            return
+        await self._unsubscribe(w.id)
+        self.index.clear(w.id)
+        state.desc, state.startup, state.awaiting_since = desc, startup, None
+        if desc is not None:
+            self._subscribe(w.id, state, desc)
+            log.info(
+                "kv events: following worker %s (%d rank feeds, page %d)",
+                w.id, desc.dp_size, desc.block_size,
+            )  # fmt: skip
+        else:
+            self._note(w.id, state, "its /server_info advertises no kv_events")
 
     async def _worker_tokenizer(self, info: dict[str, Any]) -> Tokenizer | str:
         """The tokenizer a worker's ``/server_info`` names, when it is a local directory
         (the gateway beside its workers, or shared model storage), else why not.
         Loaded once per directory, off the event loop; never downloaded."""
-        return await asyncio.to_thread(_named_tokenizer, info)
+        return await asyncio.to_thread(_named_tokenizer, info, self.settings.max_render_s)
 
     def _note(self, wid: str, state: _WorkerState, why: str) -> None:
         if state.desc is None and state.why != why:
@@ -392,8 +408,9 @@ class KVEventsManager:
 
     def prepare(self, kind: str, body: bytes) -> ExactRequest:
         """A request for matching and dispatch (``kind``: an ApiKind value), tokenized at
-        most once and only if some worker needs its tokens."""
-        return ExactRequest(self, kind, body)
+        most once and only if some worker needs its tokens, and never when the body is
+        over ``max_tokenize_bytes`` (the approximate index routes it)."""
+        return ExactRequest(self, kind, body, self.settings.max_tokenize_bytes)
 
     def wants_tokens(self, worker_ids: Iterable[str]) -> bool:
         """Whether any of these workers is followed (exact mode or predicting)."""
@@ -427,20 +444,49 @@ class KVEventsManager:
         }
 
 
-def _named_tokenizer(info: dict[str, Any]) -> Tokenizer | str:
+def _quoted(value: Any) -> str:
+    """A worker-controlled value for a reason or a log line: repr (no raw newline), cut."""
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED else text[: MAX_QUOTED - 3] + "..."
+
+
+def _named_tokenizer(info: dict[str, Any], render_budget_s: float) -> Tokenizer | str:
+    """The tokenizer a worker's ``/server_info`` names, or why not. Worker-controlled:
+    absolute paths only, resolved (one cache entry per real directory and template, not
+    per spelling), files of bounded size, and a failure named by its type only (an
+    exception's message may quote the file, e.g. a template's line)."""
     path, template = info.get("tokenizer_path"), info.get("chat_template")
-    if not (
-        isinstance(path, str)
-        and Path(path).is_absolute()
-        and (Path(path) / "tokenizer.json").is_file()
-    ):
-        return (
-            f"{NO_TOKENIZER}, and the tokenizer_path its /server_info names ({path!r}) "
-            "is not a local directory with a tokenizer.json"
-        )
-    if template is not None and not (isinstance(template, str) and Path(template).is_file()):
-        return f"it renders chats with its own --chat-template {template!r}, not a local file"
     try:
-        return load_cached(f"hf:{path}", template or "")
+        directory = _local_file(path, "tokenizer.json")
+        if directory is None:
+            return (
+                f"{NO_TOKENIZER}, and the tokenizer_path its /server_info names "
+                f"({_quoted(path)}) is not a local directory with a tokenizer.json"
+            )
+        template_file = None
+        if template is not None:
+            template_file = _local_file(template, None)
+            if template_file is None:
+                return (
+                    f"it renders chats with its own --chat-template {_quoted(template)}, "
+                    "not a local file"
+                )
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            f = directory / name
+            if f.is_file() and f.stat().st_size > MAX_WORKER_FILE_BYTES:
+                return f"the tokenizer at {_quoted(path)} is too large ({name})"
+        return load_worker_cached(str(directory), str(template_file or ""), render_budget_s)
     except Exception as exc:  # ImportError, OSError, ValueError, the tokenizer's own
-        return f"the tokenizer at {path} could not be loaded: {type(exc).__name__}: {exc}"
+        return f"the tokenizer at {_quoted(path)} could not be loaded ({type(exc).__name__})"
+
+
+def _local_file(value: Any, inside: str | None) -> Path | None:
+    """``value`` resolved, if it is an absolute path to a regular file of bounded size
+    (``inside``: to a directory holding that file; the directory is returned)."""
+    if not (isinstance(value, str) and value and Path(value).is_absolute()):
+        return None
+    resolved = Path(value).resolve()
+    target = resolved / inside if inside else resolved
+    if not target.is_file() or target.stat().st_size > MAX_WORKER_FILE_BYTES:
+        return None
+    return resolved

@@ -48,13 +48,20 @@ class ExactRequest:
     """One request as exact mode sees it; tokenized lazily, at most once per tokenizer
     (workers of one model share theirs: usually one tokenization per request)."""
 
-    __slots__ = ("_body", "_kind", "_mgr", "_tokens")
+    __slots__ = ("_body", "_kind", "_mgr", "_tokens", "skipped")
 
-    def __init__(self, mgr: ExactMatcher, kind: str, body: bytes) -> None:
+    def __init__(
+        self, mgr: ExactMatcher, kind: str, body: bytes, max_bytes: int | None = None
+    ) -> None:
         self._mgr, self._kind, self._body = mgr, kind, body
         self._tokens: dict[int, tuple[list[int] | None, Namespace]] = {}  # id(tokenizer) ->
+        # Tokenizing runs on the event loop: a body over ``max_bytes`` is never tokenized
+        # (no JSON parse either); its workers are matched by the approximate index.
+        self.skipped = max_bytes is not None and len(body) > max_bytes
 
     def tokens(self, tokenizer: Tokenizer) -> tuple[list[int] | None, Namespace]:
+        if self.skipped:
+            return None, (None, None, None)
         key = id(tokenizer)  # the manager holds its tokenizers for the request's life
         got = self._tokens.get(key)
         if got is None:
@@ -62,8 +69,9 @@ class ExactRequest:
         return got
 
     def match(self, worker_ids: Sequence[str]) -> dict[str, int]:
-        """Matched tokens of the workers in exact mode (others absent)."""
-        if not self._mgr.wants_tokens(worker_ids):
+        """Matched tokens of the workers in exact mode (others absent; all absent for a
+        body too large to tokenize)."""
+        if self.skipped or not self._mgr.wants_tokens(worker_ids):
             return {}
         groups: dict[int, tuple[Tokenizer, list[str]]] = {}
         for wid in worker_ids:

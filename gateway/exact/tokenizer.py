@@ -105,6 +105,7 @@ class HFTokenizer:
         template_name: str | None = None,
         default_chat_template_kwargs: Mapping[str, Any] | None = None,
         clock: Callable[[], datetime] = datetime.now,
+        render_budget_s: float | None = None,
     ) -> None:
         from gateway.exact import chat_template as ct  # jinja2: optional
 
@@ -120,7 +121,8 @@ class HFTokenizer:
         self._template: ChatTemplate | None = None
         content_format = "string"
         if source is not None:
-            self._template = ct.ChatTemplate(source, specials, clock)
+            budget = ct.DEFAULT_RENDER_BUDGET_S if render_budget_s is None else render_budget_s
+            self._template = ct.ChatTemplate(source, specials, clock, budget)
             content_format = ct.content_format(detected_on)
         self._specials_on_empty = bool(self._tok.encode("").ids)
         bos = specials.get("bos_token")
@@ -153,10 +155,14 @@ class HFTokenizer:
         if "add_generation_prompt" in template_kwargs:
             raise ValueError("template argument 'add_generation_prompt' given twice")
         documents = template_kwargs.pop("documents", None)
+        from gateway.exact.chat_template import RenderBudgetExceeded
+
         try:
             return self._template.render(
                 messages, tools, documents, add_generation_prompt=True, **template_kwargs
             )
+        except RenderBudgetExceeded:
+            raise  # no second render of a conversation the budget could not cover
         except ValueError:
             if not tools:
                 raise
@@ -255,12 +261,15 @@ def _engine_template(
     return chosen, chosen
 
 
-def load_tokenizer(spec: str, chat_template_file: str | None = None) -> Tokenizer:
+def load_tokenizer(
+    spec: str, chat_template_file: str | None = None, render_budget_s: float | None = None
+) -> Tokenizer:
     """``"hf:<directory>"`` or ``"python:<module>:<factory>"`` (see the module docstring);
-    ``chat_template_file`` overrides an ``hf:`` directory's template. ValueError naming the
-    problem otherwise."""
+    ``chat_template_file`` overrides an ``hf:`` directory's template; ``render_budget_s``
+    bounds one chat render's CPU (default :data:`~gateway.exact.chat_template.
+    DEFAULT_RENDER_BUDGET_S`). ValueError naming the problem otherwise."""
     if spec.startswith("hf:"):
-        return HFTokenizer(spec[3:], chat_template_file)
+        return HFTokenizer(spec[3:], chat_template_file, render_budget_s=render_budget_s)
     if chat_template_file:
         raise ValueError(f"tokenizer {spec!r}: a chat template file applies to hf: tokenizers only")
     if spec.startswith("python:"):

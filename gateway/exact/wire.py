@@ -90,6 +90,9 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event], int]:
     return ts, events, rank
 
 
+MAX_DP_SIZE = 1024  # data-parallel ranks followed per worker, at most
+
+
 @dataclass(frozen=True, slots=True)
 class Descriptor:
     """A worker's ``kv_events`` descriptor, with the wildcard host substituted."""
@@ -109,7 +112,7 @@ class Descriptor:
         if host in ("*", "0.0.0.0", "::", ""):
             host = urlsplit(worker_url).hostname or "127.0.0.1"
         replay = raw.get("replay_endpoint_port_base")
-        return cls(
+        desc = cls(
             host,
             int(raw["endpoint_port_base"]),
             str(raw.get("topic") or ""),
@@ -117,3 +120,17 @@ class Descriptor:
             int(raw.get("dp_size") or 1),
             int(replay) if replay is not None else None,
         )
+        # a worker's word: one feed (a socket and a task) per rank, so bound it all
+        ports = [desc.port_base]
+        if desc.replay_port_base is not None:
+            ports.append(desc.replay_port_base)
+        if not (
+            1 <= desc.dp_size <= MAX_DP_SIZE
+            and all(p >= 1 and p + desc.dp_size - 1 <= 65535 for p in ports)
+            and desc.block_size >= 1
+            and 0 < len(host) <= 253
+            and host.isprintable()
+            and " " not in host
+        ):
+            raise ValueError("kv_events descriptor out of range")
+        return desc
