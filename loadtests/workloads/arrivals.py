@@ -47,3 +47,35 @@ def ramp_arrivals(
             disc = rate_start * rate_start + 2 * slope * mass
             times.append((-rate_start + math.sqrt(disc)) / slope)
     return times
+
+
+def parse_stages(text: str) -> list[tuple[float, float]]:
+    """``"3:20,10:20"`` → ``[(3.0, 20.0), (10.0, 20.0)]``: (rate per second, seconds)."""
+    stages: list[tuple[float, float]] = []
+    for item in text.split(","):
+        rate, sep, duration = item.strip().partition(":")
+        if not sep:
+            raise ValueError(f"a stage is RATE:SECONDS, not {item!r}")
+        stages.append((float(rate), float(duration)))
+    if not stages or any(r <= 0 or d <= 0 for r, d in stages):
+        raise ValueError(f"stages need positive rates and durations: {text!r}")
+    return stages
+
+
+def staged_arrivals(rng: random.Random, stages: list[tuple[float, float]]) -> list[float]:
+    """Poisson arrivals at a piecewise-constant rate: each ``(rate, seconds)`` stage after
+    the previous one, as inference-perf's ``load.stages`` (``type: poisson``) sends them.
+
+    The count follows from the stages (about Σ rate x seconds): a stage's exponential gap
+    that crosses into the next stage is redrawn there (memoryless, so still Poisson).
+    """
+    times: list[float] = []
+    start = 0.0
+    for rate, duration in stages:
+        end = start + duration
+        now = start + rng.expovariate(rate)
+        while now < end:
+            times.append(now)
+            now += rng.expovariate(rate)
+        start = end
+    return times

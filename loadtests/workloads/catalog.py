@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from loadtests.workloads.base import Workload
-from loadtests.workloads.multi_tenant import multi_tenant
+from loadtests.workloads.multi_tenant import llmd_tenants, multi_tenant
 from loadtests.workloads.multi_turn import multi_turn
 from loadtests.workloads.shared_prefix import generated_shared_prefix
 from loadtests.workloads.traces import (
@@ -44,6 +44,7 @@ WORKLOADS: Mapping[str, WorkloadFactory] = MappingProxyType(
         "generated-shared-prefix": generated_shared_prefix,
         "multi-turn": multi_turn,
         "multi-tenant": multi_tenant,
+        "tenants": llmd_tenants,
         "mooncake": mooncake_trace,
         "mooncake-conversation": mooncake_trace,
         "mooncake-synthetic": _mooncake_synthetic,
