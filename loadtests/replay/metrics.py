@@ -18,7 +18,13 @@ pure function of them; nothing is simulated.
 * ``index_fidelity``: predicted = tokens the prefix index believed cached on the chosen
   worker; true = the chosen worker's real match at dispatch. Precision = Σ min / Σ
   predicted, recall = Σ min / Σ true; regret = Σ (best real match over all workers -
-  chosen worker's real match) / Σ prompt tokens.
+  chosen worker's real match) / Σ prompt tokens. ``precision_reported`` = Σ min(predicted,
+  reported cached tokens) / Σ predicted: against what the worker then reported (as the
+  gateway's own fidelity counters), which a later admission can lower.
+* ``output_tokens_per_s``: Σ output tokens of finished requests / (last finish - first
+  arrival), the fleet's output throughput over the run.
+
+Without bounds (``bounds=None``: a run too long for OPT) every bound-derived figure is NaN.
 """
 
 from __future__ import annotations
@@ -106,8 +112,11 @@ def index_fidelity(records: Sequence[RequestRecord]) -> dict[str, float]:
     agreed = sum(min(r.predicted_tokens, r.true_match_tokens) for r in records)
     regret = sum(r.best_match_tokens - r.true_match_tokens for r in records)
     total = sum(r.prompt_tokens for r in records)
+    reported = sum(min(r.predicted_tokens, r.cached_tokens) for r in records
+                   if r.first_token_s is not None)  # fmt: skip
     return {
         "precision": _ratio(agreed, predicted),
+        "precision_reported": _ratio(reported, predicted),
         "recall": _ratio(agreed, true),
         "predicted_tokens": float(predicted),
         "true_match_tokens": float(true),
@@ -119,7 +128,7 @@ def summarize(
     records: Sequence[RequestRecord],
     intervals: Sequence[BusyInterval],
     workers: Sequence[str],
-    bounds: Bounds,
+    bounds: Bounds | None,
     prefill_time: PrefillTime,
     window_s: float = 60.0,
 ) -> dict[str, Any]:
@@ -127,28 +136,31 @@ def summarize(
     done = [r for r in records if r.first_token_s is not None]
     prompt = sum(r.prompt_tokens for r in records)
     hit_rate = _ratio(sum(r.cached_tokens for r in records), prompt)
-    rates = bounds.token_rates()
-    opt_hits = bounds.opt.hit_tokens
+    unbounded = dict.fromkeys(("infinite", "opt", "lru_pooled"), math.nan)
+    rates = bounds.token_rates() if bounds is not None else unbounded
     w_router = sum(prefill_time(r.prompt_tokens - r.cached_tokens, r.cached_tokens) for r in done)
-    lbs = {
-        r.index: prefill_time(r.prompt_tokens - opt_hits[r.index], opt_hits[r.index]) for r in done
-    }
-    w_min = sum(lbs.values())
+    lbs: dict[int, float] = {}
+    if bounds is not None:
+        opt_hits = bounds.opt.hit_tokens
+        lbs = {r.index: prefill_time(r.prompt_tokens - opt_hits[r.index], opt_hits[r.index])
+               for r in done}  # fmt: skip
+    w_min = sum(lbs.values()) if bounds is not None else math.nan
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
-    over_lb = [(r.ttft_s or 0.0) / lbs[r.index] for r in done if lbs[r.index] > 0]
+    over_lb = [(r.ttft_s or 0.0) / lbs[r.index] for r in done if lbs.get(r.index, 0.0) > 0]
     share: dict[str, int] = dict.fromkeys(workers, 0)
     for r in records:
         share[r.worker] = share.get(r.worker, 0) + 1
     finished = [r.finish_s for r in records if r.finish_s is not None]
     span = max(finished, default=0.0) - min((r.arrival_s for r in records), default=0.0)
     busy = sum(iv.duration_s for iv in intervals)
+    output = sum(r.output_tokens for r in records if r.finish_s is not None)
     return {
         "requests": len(records),
         "completed": len(finished),
         "prompt_tokens": prompt,
         "hit_rate": hit_rate,
         "bounds": rates,
-        "bounds_block_level": bounds.block_rates(),
+        "bounds_block_level": bounds.block_rates() if bounds is not None else unbounded,
         "efficiency": {k: _ratio(hit_rate, v) for k, v in rates.items()},
         "prefill_work_efficiency": _ratio(w_min, w_router),
         "ttft_s": summarize_latency(ttfts),
@@ -161,4 +173,5 @@ def summarize(
         "worker_share": {w: _ratio(n, len(records)) for w, n in sorted(share.items())},
         "makespan_s": max(finished, default=0.0),
         "utilisation": _ratio(busy, span * len(workers)),
+        "output_tokens_per_s": _ratio(output, span),
     }

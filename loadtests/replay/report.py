@@ -26,7 +26,7 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(figure, value) rows of the human table."""
     b, e, t = summary["bounds"], summary["efficiency"], summary["ttft_s"]
     lb, imb, fid = summary["ttft_over_lb"], summary["load_imbalance"], summary["index_fidelity"]
-    return [
+    rows = [
         ("requests (completed)", f"{summary['requests']} ({summary['completed']})"),
         ("hit rate (tokens)", _fmt(summary["hit_rate"])),
         ("bound H_inf / OPT / LRU pooled", f"{_fmt(b['infinite'])} / {_fmt(b['opt'])} / "
@@ -42,9 +42,22 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
          f"{_fmt(imb['mean'], 2)} / {_fmt(imb['max'], 2)}"),
         ("index precision / recall / regret", f"{_fmt(fid['precision'])} / "
          f"{_fmt(fid['recall'])} / {_fmt(fid['regret'])}"),
+        ("precision against reported cached", _fmt(fid.get("precision_reported", math.nan))),
+        ("output tokens/s", _fmt(summary.get("output_tokens_per_s", math.nan), 0)),
         ("worker share", " ".join(_fmt(v, 2) for v in summary["worker_share"].values())),
-        ("wall time (s)", _fmt(summary.get("wall_s", math.nan), 1)),
     ]  # fmt: skip
+    exact = summary.get("exact")
+    if exact is not None:
+        modes = exact["fidelity"]
+        rows.append(
+            (
+                "exact mode: requests per mode",
+                ", ".join(f"{m} {int(f['requests'])}" for m, f in sorted(modes.items())) or "none",
+            )
+        )
+        rows.append(("exact mode: KV-event batches", str(exact["batches"])))
+    rows.append(("wall time (s)", _fmt(summary.get("wall_s", math.nan), 1)))
+    return rows  # fmt: skip
 
 
 def render_table(summary: Mapping[str, Any]) -> str:
@@ -62,13 +75,13 @@ def render_markdown(summary: Mapping[str, Any], charts: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return None
     if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -86,7 +99,7 @@ def write_outputs(
         charts = write_charts(out, summary, records, timelines)
     except ImportError:
         notes.append("matplotlib is not installed (pip install -e '.[bench]'): charts skipped")
-    (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     (out / "summary.md").write_text(render_markdown(summary, charts))
     return notes
 

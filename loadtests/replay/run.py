@@ -10,14 +10,16 @@ arguments a replay (``cli``) and a sweep (``sweep``) share. Nothing here prints 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gateway.config.policyspec import parse_params
 from loadtests.replay.bounds import compute_bounds
+from loadtests.replay.exact import DEFAULT_EVENT_DELAY_S, ReplayExact
 from loadtests.replay.metrics import summarize
 from loadtests.replay.prompts import PromptBuilder, trace_block_requests
 from loadtests.replay.sglang_rule import REFERENCE_NAME, SglangCacheAware
@@ -44,6 +46,12 @@ class ReplayConfig:
     time_scale: float = 1.0
     profile: str | None = None
     seed: int = 0
+    page_size: int = 1  # the workers' radix page (SGLang --page-size; exact mode's block)
+    # exact mode: the gateway follows every worker's KV events (loadtests.replay.exact)
+    exact: bool = False
+    hybrid: bool = True  # exact mode's predicted blocks (kv_events.hybrid, the default)
+    event_delay_s: float = DEFAULT_EVENT_DELAY_S  # step end -> batch applied
+    bounds: bool = True  # compute the bounds (OPT over every block reference)
 
 
 def parse_policy_args(pairs: Sequence[str]) -> dict[str, Any]:
@@ -87,20 +95,39 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
     workload = load_workload(config)
     policy = make_policy(config.policy, dict(config.policy_args))
     builder = PromptBuilder()
-    workers = make_workers(config.workers, config.capacity_tokens, config.profile)
-    sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare, seed=config.seed)
-    outcome = sim.run(workload.requests)
+    workers = make_workers(config.workers, config.capacity_tokens, config.profile,
+                           config.page_size, kv_events=config.exact)  # fmt: skip
+    exact = None
+    if config.exact:
+        exact = functools.partial(_exact, config)
+    sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare, seed=config.seed,
+                     exact=exact)  # fmt: skip
+    try:
+        outcome = sim.run(workload.requests)
+    finally:
+        if sim.exact is not None:
+            sim.exact.close()
     capacity = config.workers * config.capacity_tokens
-    blocks = [builder.bound_blocks(r) for r in workload.requests]
-    bounds = compute_bounds(blocks, capacity)
+    bounds = None
+    if config.bounds:
+        bounds = compute_bounds([builder.bound_blocks(r) for r in workload.requests], capacity)
     summary = summarize(outcome.records, outcome.intervals, outcome.worker_ids, bounds,
                         prefill_time_fn(config.profile))  # fmt: skip
-    trace_blocks = trace_block_requests(list(workload.requests))
+    trace_blocks = trace_block_requests(list(workload.requests)) if config.bounds else []
     if trace_blocks:  # Mooncake's own blocks, as PERFORMANCE.md section 2 counts them
         summary["bounds_block_level"] = compute_bounds(trace_blocks, capacity).block_rates()
+    if sim.exact is not None:
+        summary["exact"] = {"fidelity": sim.exact.fidelity(), "batches": sim.exact.batches,
+                            "modes": sim.exact.manager.modes()}  # fmt: skip
+    summary["workload_params"] = dict(workload.params)
     summary["config"] = {**asdict(config), "policy_describe": policy.describe()}
     summary["wall_s"] = time.perf_counter() - started
     return summary, outcome
+
+
+def _exact(config: ReplayConfig, worker_ids: Sequence[str], clock: Callable[[], float]
+           ) -> ReplayExact:  # fmt: skip
+    return ReplayExact(worker_ids, config.page_size, clock, config.hybrid, config.event_delay_s)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +143,28 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=0, help="replay the first K requests")
     parser.add_argument("--profile", default=None, help="simulator latency profile")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--page-size", type=int, default=1, help="the workers' radix page")
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="exact mode: route on the workers' KV events (use a page > 1)",
+    )
+    parser.add_argument(
+        "--no-hybrid",
+        action="store_true",
+        help="exact mode without predicted blocks (kv_events.hybrid false)",
+    )
+    parser.add_argument(
+        "--event-delay-ms",
+        type=float,
+        default=DEFAULT_EVENT_DELAY_S * 1000,
+        help="exact mode: a step's end to its KV events applied",
+    )
+    parser.add_argument(
+        "--no-bounds",
+        action="store_true",
+        help="skip the bounds (OPT over every block: slow on long runs)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder")
 
 
@@ -133,4 +182,9 @@ def config_from_args(ns: argparse.Namespace, time_scale: float) -> ReplayConfig:
         time_scale=time_scale,
         profile=ns.profile,
         seed=ns.seed,
+        page_size=ns.page_size,
+        exact=ns.exact,
+        hybrid=not ns.no_hybrid,
+        event_delay_s=ns.event_delay_ms / 1000,
+        bounds=not ns.no_bounds,
     )

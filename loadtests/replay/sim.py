@@ -12,12 +12,17 @@ cached tokens and the TTFT; the lease moves to decoding at the first token. Engi
 (``/v1/loads``) is polled every ``engine_load_interval_s`` as the gateway's poller does.
 The worker model is the simulator's, unchanged, driven through
 :class:`~loadtests.replay.workers.SimWorker`. What the replay does not model: transport
-failures, retries and outlier ejection (every worker answers), the slot gate's waits, and
-exact mode.
+failures, retries and outlier ejection (every worker answers) and the slot gate's waits.
 
-Events at the same instant: step completions before arrivals (a token produced at ``t`` is
-seen by a request arriving at ``t``), ties in insertion order: the run is deterministic
-given the workload, the policy's rng seed and the model.
+Exact mode (``exact``, :class:`~loadtests.replay.exact.ReplayExact`): the workers record
+their KV events; after each step its batch is handed to the gateway's own event consumer,
+applied a modelled delay after the step ends, and every decision gets the exact matches
+of the workers in exact mode (as ``gateway.routing.router`` passes its ``ExactRequest``
+to the core's ``choose``, ``dispatch`` and ``feedback``).
+
+Events at the same instant: KV-event batches, then step completions, then arrivals (a token
+produced at ``t`` is seen by a request arriving at ``t``), ties in insertion order: the run
+is deterministic given the workload, the policy's rng seed and the model.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.routing.cost_model import CostModel
-from gateway.routing.decide import Choice, RoutingCore
+from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.lease import Lease
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import RouteRequest
 from gateway.routing.tokens import TokenAccounting
 from gateway.workers.registry import Worker
+from loadtests.replay.exact import ReplayExact
 from loadtests.replay.metrics import BusyInterval, RequestRecord
 from loadtests.replay.workers import SimOutput, SimWorker
 from loadtests.workloads.base import WorkloadRequest
@@ -66,6 +72,7 @@ class _InFlight:
     route: RouteRequest
     lease: Lease
     choice: Choice
+    exact: ExactRequest | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +118,10 @@ class Simulation:
         seed: int = 0,
         timeline_every_s: float = 1.0,
         engine_load_interval_s: float = 1.0,
+        exact: Callable[[Sequence[str], Callable[[], float]], ReplayExact] | None = None,
     ) -> None:
+        """``exact``: builds the exact-mode consumer from the worker ids and the clock
+        (None: approximate only, as a gateway without KV events)."""
         self.policy = policy
         self.sims = list(workers)
         self.gw = [Worker(f"http://127.0.0.1:{FIRST_PORT + i}", 0.0) for i in range(len(workers))]
@@ -138,6 +148,8 @@ class Simulation:
         self.rejected = 0
         self._poll_s = engine_load_interval_s
         self._polled = [-math.inf] * len(workers)
+        self.now = 0.0
+        self.exact = exact([w.id for w in self.gw], lambda: self.now) if exact else None
 
     def run(self, requests: Sequence[WorkloadRequest]) -> SimOutcome:
         next_sweep = INDEX_SWEEP_S
@@ -154,14 +166,20 @@ class Simulation:
     # --- events ---------------------------------------------------------------------
 
     def _advance(self, until: float) -> None:
-        """Process every step completion at or before ``until``."""
+        """Process every KV-event batch and step completion at or before ``until``."""
+        exact = self.exact
         while self._events and self._events[0][0] <= until:
             now, _, k = heapq.heappop(self._events)
+            if exact is not None:
+                exact.deliver(now)
+            self.now = now
             _, outputs = self._pending.pop(k)
             for out in outputs:
                 self._deliver(out, now)
             self._busy[k] = False
             self._start_step(k, now)
+        if exact is not None:
+            exact.deliver(until)
 
     def _start_step(self, k: int, now: float) -> None:
         if self._busy[k]:
@@ -171,6 +189,10 @@ class Simulation:
         if result is None:
             return
         duration, outputs = result
+        if self.exact is not None:
+            batch = self.sims[k].kv_batch(now + duration)
+            if batch is not None:
+                self.exact.publish(self.gw[k].id, batch, now + duration)
         self._busy[k] = True
         self._pending[k] = (duration, outputs)
         self.intervals.append(BusyInterval(self.gw[k].id, now, duration))
@@ -192,14 +214,15 @@ class Simulation:
                 w.load_read_at = tick
 
     def _arrive(self, req: WorkloadRequest) -> None:
-        now = req.arrival_s
+        now = self.now = req.arrival_s
         self._poll_loads(now)
         prepared = self.prepare(req)
         route = prepared.route
         self.core.estimate(route)
-        choice = self.core.choose(route, self.gw, now)
+        exact = self.exact.request(prepared.prompt_key) if self.exact is not None else None
+        choice = self.core.choose(route, self.gw, now, exact)
         k = self.gw.index(choice.worker)
-        lease = self.core.dispatch(route, choice, now)
+        lease = self.core.dispatch(route, choice, now, exact)
         true_matches = [sim.true_match(prepared.prompt_key) for sim in self.sims]
         record = RequestRecord(
             index=req.index, arrival_s=now, worker=choice.worker.id,
@@ -216,7 +239,7 @@ class Simulation:
             self.rejected += 1
             lease.release()
             return
-        self._live[rid] = _InFlight(record, route, lease, choice)
+        self._live[rid] = _InFlight(record, route, lease, choice, exact)
         self._start_step(k, now)
 
     def _deliver(self, out: SimOutput, now: float) -> None:
@@ -233,5 +256,5 @@ class Simulation:
             live.lease.release()
             ttft = None if rec.first_token_s is None else rec.first_token_s - rec.arrival_s
             outcome = _Outcome(ttft, rec.cached_tokens, rec.prompt_tokens)
-            self.core.feedback(live.route, live.choice, live.lease, outcome, now)
+            self.core.feedback(live.route, live.choice, live.lease, outcome, now, live.exact)
             del self._live[out.rid]

@@ -3,7 +3,11 @@ replay's virtual clock (``simulator/model/radix_worker.py`` takes time as an arg
 never sleeps).
 
 :class:`SimWorker` is the small surface the event loop needs; :class:`ModelWorker`
-adapts the simulator's model to it without changing the model in any way.
+adapts the simulator's model to it without changing the model in any way. With
+``kv_events`` the model's radix cache gets the simulated worker's own KV-event recorder
+(``simulator.http.kv_publisher.EventRecorder``, the listener the HTTP worker publishes
+from) and :meth:`ModelWorker.kv_batch` hands out what it recorded as the payload of one
+``EventBatch``, encoded as the HTTP worker sends it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Protocol
 
 from policies.base import EngineLoad
 from simulator.config import SimConfig
+from simulator.http.kv_publisher import EventRecorder, encode_batch
 from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
 from simulator.model.radix_cache import TOKEN_BYTES
 from simulator.model.radix_worker import WorkerModel
@@ -51,6 +56,10 @@ class SimWorker(Protocol):
     def engine_load(self) -> EngineLoad:
         """What the worker's ``/v1/loads`` would report now."""
 
+    def kv_batch(self, ts: float) -> bytes | None:
+        """The KV events recorded since the last call, as one ``EventBatch`` payload
+        stamped ``ts``; ``None`` when there are none or events are not recorded."""
+
 
 class ModelWorker:
     """One simulated worker on the replay's virtual clock: the simulator's
@@ -62,18 +71,10 @@ class ModelWorker:
     scheduling and timing do not depend on it.
     """
 
-    def __init__(self, config: SimConfig) -> None:
-        # exactly as simulator.http.sglang.SimulatedWorker builds its engine from a SimConfig
-        profile = config.resolved_profile()
-        context = config.context_length or profile.context_length
-        self.model = WorkerModel(
-            profile=profile.with_overrides(context_length=context),
-            capacity_tokens=config.capacity_tokens,
-            page_size=config.page_size,
-            max_running_requests=config.max_running_requests,
-            schedule_policy=config.schedule_policy,
-            seed=config.seed,
-        )
+    def __init__(self, config: SimConfig, kv_events: bool = False) -> None:
+        # exactly as the HTTP worker builds its engine from a SimConfig (and its recorder)
+        self.recorder = EventRecorder(config.page_size) if kv_events else None
+        self.model = WorkerModel.from_config(config, listener=self.recorder)
 
     def submit(self, rid: str, prompt_key: bytes, max_tokens: int, now: float) -> None:
         req = SimRequest(rid, prompt_key, max_new_tokens=max_tokens,
@@ -114,6 +115,10 @@ class ModelWorker:
             token_usage=snap.token_usage,
         )
 
+    def kv_batch(self, ts: float) -> bytes | None:
+        events = self.recorder.take() if self.recorder is not None else []
+        return encode_batch(ts, events) if events else None
+
 
 def resolve_profile(name: str | None) -> Profile:
     return get_profile(name or DEFAULT_PROFILE)
@@ -124,8 +129,16 @@ def prefill_time_fn(profile: str | None) -> Callable[[int, int], float]:
     return resolve_profile(profile).prefill_time
 
 
-def make_workers(count: int, capacity_tokens: int, profile: str | None) -> list[SimWorker]:
+def make_workers(
+    count: int,
+    capacity_tokens: int,
+    profile: str | None,
+    page_size: int = 1,
+    kv_events: bool = False,
+) -> list[SimWorker]:
     """``count`` simulated workers of ``capacity_tokens`` KV each, configured as the HTTP
-    simulator configures its workers (``simulator.config.SimConfig`` defaults)."""
-    config = SimConfig(capacity_tokens=capacity_tokens, profile=resolve_profile(profile).name)
-    return [ModelWorker(config) for _ in range(count)]
+    simulator configures its workers (``simulator.config.SimConfig`` defaults), recording
+    KV events if ``kv_events``."""
+    config = SimConfig(capacity_tokens=capacity_tokens, profile=resolve_profile(profile).name,
+                       page_size=page_size)  # fmt: skip
+    return [ModelWorker(config, kv_events) for _ in range(count)]
