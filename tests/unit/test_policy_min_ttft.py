@@ -351,3 +351,21 @@ def test_exploit_ties_between_holders_at_random() -> None:
 def test_bad_exploit_parameters(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         create_policy("min_ttft", **bad)
+
+
+def test_cold_request_near_ties_go_to_the_fewest_in_flight() -> None:
+    """Scores within tolerance_s are fitting noise: the least loaded takes a cold prompt
+    (its group follows it), not the worker whose cost fit came out a little faster."""
+    policy = create_policy("min_ttft")
+    fast_fit_busy = WorkerView(
+        "fast-fit", in_flight=16, decoding_requests=16, cost=WorkerCost(prefill_per_token_s=21e-6)
+    )
+    idle = WorkerView("idle", in_flight=1, decoding_requests=1)
+    scores = policy.select(ctx([fast_fit_busy, idle], prompt=7215)).scores
+    assert 0 < scores["idle"] - scores["fast-fit"] < 0.02  # a near tie by score
+    for s in range(20):
+        decision = policy.select(ctx([fast_fit_busy, idle], prompt=7215, seed=s))
+        assert (decision.worker_id, decision.reason) == ("idle", REASON_MISS)
+    # beyond tolerance_s the score decides, however loaded
+    slow = WorkerView("slow", cost=WorkerCost(prefill_per_token_s=30e-6))
+    assert policy.select(ctx([fast_fit_busy, slow], prompt=7215)).worker_id == "fast-fit"
