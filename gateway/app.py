@@ -190,11 +190,15 @@ def _session(config: GatewayConfig) -> aiohttp.ClientSession:
 
 
 def make_kv_events(
-    config: GatewayConfig, registry: WorkerRegistry, session: aiohttp.ClientSession
+    config: GatewayConfig,
+    registry: WorkerRegistry,
+    session: aiohttp.ClientSession,
+    allowlist: HostAllowList | None = None,
 ) -> KVEventsManager | None:
     """Exact mode over the registry's workers (``kv_events.enabled`` auto or true), or
     None when it is off. Which workers it follows, and why not the others:
-    :mod:`gateway.exact.manager`."""
+    :mod:`gateway.exact.manager`; ``allowlist``: the worker URLs' (events are read from
+    a worker's own host or from an allowed one)."""
     k = config.kv_events
     if k.enabled == "false":
         return None
@@ -207,6 +211,7 @@ def make_kv_events(
         ],
         session,
         clock=registry.clock,
+        allowlist=allowlist,
     )
 
 
@@ -342,7 +347,7 @@ async def _runtime(
     health = HealthChecker(config.health, registry, session)
     load = LoadPoller(config.load, registry, session, config.health.timeout_s)
     outlier = OutlierDetector(config.outlier, registry, registry.clock)
-    exact = make_kv_events(config, registry, session)
+    exact = make_kv_events(config, registry, session, app[admin.ALLOWLIST])
     if exact is not None:
         await exact.start()
     snapshot = RegistrySnapshot(

@@ -273,9 +273,10 @@ class KVEventsConfig:
     # directory with a tokenizer.json (a gateway beside its workers, or shared model
     # storage); read locally, never downloaded.
     tokenizer_from_workers: bool = True
-    # Exact mode tokenizes on the event loop, so its work per request is bounded: a body
-    # larger than this many bytes is not tokenized (routed by the approximate index,
-    # like an unfollowed worker); 0 tokenizes none. ~0.6 s of BPE for 1 MiB of text.
+    # Exact mode's tokenizing is bounded per request (a body over 4 KiB is tokenized in
+    # a thread, off the event loop, but costs CPU all the same): a body larger than this
+    # many bytes is not tokenized (routed by the approximate index, like an unfollowed
+    # worker); 0 tokenizes none. ~0.6 s of BPE for 1 MiB of text.
     max_tokenize_bytes: int = 1 << 20
     # CPU bound of one chat-template render (a template may be quadratic or worse in the
     # conversation: Gemma 4's takes 95 s for 4,000 short messages); beyond it the request

@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -91,9 +92,20 @@ class _Budget(Exception):
 
 
 class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, with a deadline checked on every attribute, item and call."""
+    """The sandbox, with a deadline checked on every attribute, item and call. The
+    deadline is the rendering thread's own: renders of one template may run at once in
+    several threads (requests tokenized off the event loop)."""
 
-    deadline = math.inf
+    _local = threading.local()
+
+    @property
+    def deadline(self) -> float:
+        at: float = getattr(self._local, "deadline", math.inf)
+        return at
+
+    @deadline.setter
+    def deadline(self, at: float) -> None:
+        self._local.deadline = at
 
     def tick(self) -> None:
         if time.perf_counter() > self.deadline:

@@ -10,6 +10,10 @@ blocks (:mod:`gateway.exact.index`), tracks each worker's **mode** and answers
 Which workers are followed: SGLang workers whose ``/server_info`` advertises events and
 whose model has a tokenizer (:mod:`gateway.exact.choice`); every other worker is
 approximate, and :meth:`KVEventsManager.reason` says why (logged once per change).
+The ZMQ sockets connect only where the worker is: the descriptor's host (wildcard
+substituted) must be the worker URL's own (:func:`gateway.exact.wire.same_host`) or pass
+the allow-list the gateway applies to worker URLs (``server.worker_allowlist``); a
+worker pointing elsewhere is not followed.
 
 Modes, per worker: ``approximate`` (no events configured or discoverable), ``exact``
 (events flowing), ``degraded`` (events configured but a request dispatched there saw no
@@ -35,8 +39,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,12 +52,13 @@ import orjson
 import zmq.asyncio
 
 from gateway.config import KVEventsConfig
+from gateway.config.allowlist import HostAllowList, NotAllowed
 from gateway.exact.choice import NO_TOKENIZER, TokenizerChoice, load_worker_cached
 from gateway.exact.feed import RankFeed
 from gateway.exact.index import ExactIndex, Namespace, PredictedBlocks, chain_hashes, namespace_seed
 from gateway.exact.request import ExactRequest
 from gateway.exact.tokenizer import Tokenizer
-from gateway.exact.wire import Descriptor, Event
+from gateway.exact.wire import Descriptor, Event, same_host
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,8 @@ MODES = (MODE_EXACT, MODE_APPROXIMATE, MODE_DEGRADED)
 MAX_WORKER_FILE_BYTES = 64 << 20
 # Worker-controlled text quoted in a reason (shown in /workers, logged) is cut to this.
 MAX_QUOTED = 160
+# Threads tokenizing large request bodies off the event loop (more queue behind them).
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 
 # The ``kv_events:`` config section, as the manager takes it (defaults and their reasons
 # in gateway/config/__init__.py).
@@ -112,7 +121,8 @@ class KVEventsManager:
     ``workers()`` lists the workers (:class:`FollowedWorker`, or ``(id, url)`` pairs for
     SGLang workers of the default model); the manager re-reads it and ``/server_info``
     every ``discovery_interval_s``. ``tokenizers``: one tokenizer for every model, or a
-    :class:`~gateway.exact.choice.TokenizerChoice` per model.
+    :class:`~gateway.exact.choice.TokenizerChoice` per model. ``allowlist``: where else
+    than a worker's own host its events may be read from (None: nowhere else).
     """
 
     def __init__(
@@ -122,6 +132,7 @@ class KVEventsManager:
         workers: Callable[[], Iterable[FollowedWorker | tuple[str, str]]],
         session: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
+        allowlist: HostAllowList | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizers = (
@@ -132,12 +143,15 @@ class KVEventsManager:
             settings.ttl_factor, settings.ttl_min_s, settings.ttl_max_s
         )
         self._workers = workers
+        self._allowlist = allowlist
         self._session = session
         self._clock = clock
         self._ctx = zmq.asyncio.Context()
         self._states: dict[str, _WorkerState] = {}  # the SGLang workers with a tokenizer
         self._unfollowed: dict[str, str] = {}  # every other worker: why
         self._discovery: asyncio.Task[None] | None = None
+        # threads start on first use: a gateway that never sees a large body starts none
+        self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="exact-tokenize")
         self.fidelity: dict[tuple[str, str], Fidelity] = {}
 
     # lifecycle ---------------------------------------------------------------
@@ -153,6 +167,7 @@ class KVEventsManager:
         for wid in list(self._states):
             await self._unsubscribe(wid)
         self._ctx.destroy(linger=0)
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     async def _discover_forever(self) -> None:
         while True:
@@ -221,6 +236,13 @@ class KVEventsManager:
                 return
             state.tokenizer = found
         desc = Descriptor.parse(info.get("kv_events") or {}, w.url)
+        refused = None if desc is None else await self._elsewhere(desc.host, w.url)
+        if refused is not None:
+            await self._unsubscribe(w.id)
+            self.index.clear(w.id)
+            state.desc = state.startup = None
+            self._note(w.id, state, refused)
+            return
         startup = info.get("startup_time")
         if desc == state.desc and startup == state.startup:
             return
@@ -235,6 +257,22 @@ class KVEventsManager:
             )  # fmt: skip
         else:
             self._note(w.id, state, "its /server_info advertises no kv_events")
+
+    async def _elsewhere(self, host: str, worker_url: str) -> str | None:
+        """None if the gateway may connect to ``host`` for this worker's events (its own
+        host, or allowed as a worker URL would be), else the reason it may not."""
+        if same_host(host, worker_url):
+            return None
+        if self._allowlist is not None:
+            literal = f"[{host}]" if ":" in host else host
+            try:
+                await self._allowlist.check(f"tcp://{literal}")
+                return None
+            except (NotAllowed, ValueError):
+                pass
+        return (
+            f"its kv_events endpoint host {_quoted(host)} is not the worker's host and not allowed"
+        )
 
     async def _worker_tokenizer(self, info: dict[str, Any]) -> Tokenizer | str:
         """The tokenizer a worker's ``/server_info`` names, when it is a local directory
@@ -408,9 +446,12 @@ class KVEventsManager:
 
     def prepare(self, kind: str, body: bytes) -> ExactRequest:
         """A request for matching and dispatch (``kind``: an ApiKind value), tokenized at
-        most once and only if some worker needs its tokens, and never when the body is
-        over ``max_tokenize_bytes`` (the approximate index routes it)."""
-        return ExactRequest(self, kind, body, self.settings.max_tokenize_bytes)
+        most once and only if some worker needs its tokens (a large body in this
+        manager's threads), and never when the body is over ``max_tokenize_bytes`` (the
+        approximate index routes it)."""
+        return ExactRequest(
+            self, kind, body, self.settings.max_tokenize_bytes, executor=self._tokenize
+        )
 
     def wants_tokens(self, worker_ids: Iterable[str]) -> bool:
         """Whether any of these workers is followed (exact mode or predicting)."""

@@ -5,16 +5,23 @@
   ``generate`` text tokenized or ids taken as given; a batch keys on its first prompt)
   and the namespace ``(LoRA, cache_salt, extra_key)``. Unknown shapes give ``None``
   tokens, so the request gets no exact hit rather than a wrong one.
-* :class:`ExactRequest` is what the router holds per request: it tokenizes at most once,
-  and only if some candidate worker is followed by the manager (an :class:`ExactMatcher`,
-  :class:`gateway.exact.manager.KVEventsManager` in the gateway).
+* :class:`ExactRequest` is what the router holds per request: it tokenizes at most once
+  per tokenizer, and only if some candidate worker is followed by the manager (an
+  :class:`ExactMatcher`, :class:`gateway.exact.manager.KVEventsManager` in the gateway).
+  The router awaits :meth:`ExactRequest.prepare_tokens` before its synchronous decision:
+  a body over ``offload_bytes`` is parsed, rendered and encoded in a worker thread (the
+  event loop serves other requests meanwhile; ``tokenizers`` encodes without the GIL),
+  a smaller one inline (a thread hop costs more than its tokenization). The decision then
+  reads the cached tokens.
 
 Cost: one JSON parse and one tokenization per request that needs tokens; none otherwise.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,6 +29,10 @@ import orjson
 
 from gateway.exact.index import Namespace
 from gateway.exact.tokenizer import ChatRules, Tokenizer
+
+# A body larger than this is tokenized in a thread, a smaller one on the event loop: dense
+# BPE costs ~0.2 ms per KiB, a thread hop ~0.1 ms (docs/KV_EVENTS.md, measured).
+OFFLOAD_BYTES = 4 << 10
 
 
 class ExactMatcher(Protocol):
@@ -48,16 +59,53 @@ class ExactRequest:
     """One request as exact mode sees it; tokenized lazily, at most once per tokenizer
     (workers of one model share theirs: usually one tokenization per request)."""
 
-    __slots__ = ("_body", "_kind", "_mgr", "_tokens", "skipped")
+    __slots__ = ("_body", "_executor", "_kind", "_mgr", "_offload_bytes", "_tokens", "skipped")
 
     def __init__(
-        self, mgr: ExactMatcher, kind: str, body: bytes, max_bytes: int | None = None
+        self,
+        mgr: ExactMatcher,
+        kind: str,
+        body: bytes,
+        max_bytes: int | None = None,
+        *,
+        executor: Executor | None = None,
+        offload_bytes: int = OFFLOAD_BYTES,
     ) -> None:
         self._mgr, self._kind, self._body = mgr, kind, body
+        self._executor, self._offload_bytes = executor, offload_bytes
         self._tokens: dict[int, tuple[list[int] | None, Namespace]] = {}  # id(tokenizer) ->
-        # Tokenizing runs on the event loop: a body over ``max_bytes`` is never tokenized
-        # (no JSON parse either); its workers are matched by the approximate index.
+        # A body over ``max_bytes`` is never tokenized (no JSON parse either); its workers
+        # are matched by the approximate index.
         self.skipped = max_bytes is not None and len(body) > max_bytes
+
+    def _groups(self, worker_ids: Sequence[str]) -> dict[int, tuple[Tokenizer, list[str]]]:
+        """The followed workers among ``worker_ids``, by tokenizer; {} when none is (or
+        the body is not to be tokenized): nothing then needs the request's tokens."""
+        groups: dict[int, tuple[Tokenizer, list[str]]] = {}
+        if self.skipped or not self._mgr.wants_tokens(worker_ids):
+            return groups
+        for wid in worker_ids:
+            tok = self._mgr.tokenizer_for(wid)
+            if tok is not None:
+                groups.setdefault(id(tok), (tok, []))[1].append(wid)
+        return groups
+
+    async def prepare_tokens(self, worker_ids: Sequence[str]) -> None:
+        """Tokenize now for the tokenizers of these candidates, so the synchronous
+        decision only reads the result: in the executor (None: the loop's default one)
+        when the body is over ``offload_bytes``, else inline. A tokenizer met later (a
+        worker followed meanwhile) is tokenized inline by :meth:`tokens`."""
+        for key, (tok, _) in self._groups(worker_ids).items():
+            if key in self._tokens:
+                continue
+            if len(self._body) > self._offload_bytes:
+                loop = asyncio.get_running_loop()
+                got = await loop.run_in_executor(
+                    self._executor, request_tokens, self._kind, self._body, tok
+                )
+            else:
+                got = request_tokens(self._kind, self._body, tok)
+            self._tokens.setdefault(key, got)
 
     def tokens(self, tokenizer: Tokenizer) -> tuple[list[int] | None, Namespace]:
         if self.skipped:
@@ -71,15 +119,8 @@ class ExactRequest:
     def match(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Matched tokens of the workers in exact mode (others absent; all absent for a
         body too large to tokenize)."""
-        if self.skipped or not self._mgr.wants_tokens(worker_ids):
-            return {}
-        groups: dict[int, tuple[Tokenizer, list[str]]] = {}
-        for wid in worker_ids:
-            tok = self._mgr.tokenizer_for(wid)
-            if tok is not None:
-                groups.setdefault(id(tok), (tok, []))[1].append(wid)
         out: dict[str, int] = {}
-        for tok, wids in groups.values():
+        for tok, wids in self._groups(worker_ids).values():
             out.update(self._mgr.match(*self.tokens(tok), wids))
         return out
 

@@ -4,6 +4,7 @@
   ≤0.5.18 tagged arrays), ignoring unknown keys, unknown events and trailing elements;
 * :class:`Descriptor` is a worker's ``kv_events`` entry of ``/server_info``: where its
   publisher and replay endpoints listen, its topic, block size and DP size;
+  :func:`same_host` says whether that host is the worker URL's own;
 * :data:`SEQ` and :data:`END_SEQ` frame sequence numbers (big-endian u64) on the live
   stream and in replay answers.
 
@@ -12,6 +13,7 @@ Pure decoding: no I/O, no state.
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -134,3 +136,28 @@ class Descriptor:
         ):
             raise ValueError("kv_events descriptor out of range")
         return desc
+
+
+def _host_key(host: str) -> str | ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``host`` compared as an address when it is one (``::1`` is ``0:0::1``), else as a
+    name (case, a trailing dot and IPv6 brackets ignored); "loopback" for every spelling
+    of this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    name = host.strip("[]").lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return "loopback"
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return name
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return "loopback" if address.is_loopback else address
+
+
+def same_host(host: str, worker_url: str) -> bool:
+    """Whether a descriptor's host (wildcard already substituted) names the worker URL's
+    own host: the same name or address, or both this machine. Nothing is resolved: a
+    name and an address are different hosts here (the allow-list, which resolves, may
+    still admit the name)."""
+    worker = urlsplit(worker_url).hostname
+    return bool(worker) and _host_key(host) == _host_key(worker or "")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,10 +61,16 @@ _NO_WORKER = "no worker is available to serve this request"
 _TIMEOUTS = ("timeout", "first_byte_timeout")  # attempt failures that penalise as a 5xx
 
 
+class PreparedExact(ExactRequest, Protocol):
+    """A request's exact-mode view that tokenizes before the (synchronous) decision."""
+
+    async def prepare_tokens(self, worker_ids: Sequence[str]) -> None: ...
+
+
 class ExactSource(Protocol):
     """Exact mode (``gateway.exact.manager.KVEventsManager``): tokenizes a request once."""
 
-    def prepare(self, kind: str, body: bytes) -> ExactRequest: ...
+    def prepare(self, kind: str, body: bytes) -> PreparedExact: ...
 
 
 _NO_HEADERS: Mapping[str, str] = {}
@@ -118,7 +124,7 @@ class _Call:
     req: RouteRequest
     request_id: str
     started: float
-    exact: ExactRequest | None
+    exact: PreparedExact | None
 
 
 class Router:
@@ -149,7 +155,7 @@ class Router:
         self._abort_timeout = config.server.abort_timeout_s
         self._request_timeout = config.server.request_timeout_s
 
-    def _prepare_exact(self, req: RouteRequest) -> ExactRequest | None:
+    def _prepare_exact(self, req: RouteRequest) -> PreparedExact | None:
         if self._exact is None or not self.core.policies.uses_prefix_match:
             return None
         if req.kind is ApiKind.EMBEDDINGS:
@@ -170,6 +176,10 @@ class Router:
         record: DecisionRecord | None = None
         status = 503
         try:
+            if call.exact is not None:  # off the loop for a large body; a retry's fewer
+                # candidates reuse these tokens
+                ids = [w.id for w in self.registry.candidates((), req.model)]
+                await call.exact.prepare_tokens(ids)
             for attempt in range(self._max_attempts):
                 workers = self.registry.candidates(excluded, req.model)
                 if not workers:
