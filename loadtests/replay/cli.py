@@ -9,6 +9,8 @@ Usage::
         --workload-arg request_rate=20 --workers 8 --capacity-tokens 430000 --policy cache_aware
     python -m loadtests.replay sweep --trace ... --policy min_ttft \\
         --grid work_weight=0,0.5,1 --time-scales 1,2,3 --slo-s 2 --out out/sweep
+    python -m loadtests.replay --workload tenants --workers 8 --capacity-tokens 307328 \
+        --page-size 16 --exact --no-bounds          # exact mode: routed on the KV events
     python -m loadtests.replay compare out/r1 out/r2     # one Markdown table
 
 ``--trace`` reads ``.jsonl`` as Mooncake and ``.csv`` as Azure 2023. ``--time-scale 3``
