@@ -433,15 +433,20 @@ class KVEventsManager:
         return out
 
     def dispatched(self, worker_id: str, ids: Sequence[int] | None, namespace: Namespace) -> None:
-        """A request went to ``worker_id``: expect an event; predict its blocks (hybrid)."""
+        """A request went to ``worker_id``: expect an event if it brings the worker a
+        block it does not hold (a prompt already cached whole stores nothing, so its
+        silence is no staleness); predict its blocks (hybrid)."""
         state = self._states.get(worker_id)
         if state is None or state.desc is None:
             return
         now = self._clock()
-        if state.awaiting_since is None:
-            state.awaiting_since = now
-        if self.settings.hybrid and ids is not None and not namespace[2]:
+        hashes = None
+        if ids is not None and not namespace[2]:
             hashes = self.request_hashes(ids, namespace, state.desc.block_size)
+        stores = hashes is None or not all(self.index.holds(worker_id, h) for h in hashes)
+        if stores and state.awaiting_since is None:
+            state.awaiting_since = now
+        if self.settings.hybrid and hashes is not None:
             self.predicted.record(worker_id, hashes, now)
 
     def prepare(self, kind: str, body: bytes) -> ExactRequest:

@@ -100,8 +100,8 @@ async def test_gateway_exact_mode_end_to_end(kv_fleet: SimulatedFleet) -> None:
         for worker in kv_fleet.workers:
             assert worker.kv_events is not None
             await worker.kv_events.close()
-        for i in range(4):
-            await _chat(s, gw.url, f"after stop {i}")
+        for i in range(4):  # new blocks each (a prompt held whole would store nothing)
+            await _chat(s, gw.url, " ".join(f"after{i}stop{j}" for j in range(40)))
 
         async def all_degraded() -> bool:
             text = await _metrics(s, gw.url)

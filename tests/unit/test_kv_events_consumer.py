@@ -267,6 +267,33 @@ async def test_modes_degrade_after_silence_and_return() -> None:
             await mgr.close()
 
 
+async def test_a_prompt_already_held_whole_arms_no_staleness() -> None:
+    """A repeat whose every full block the worker holds stores nothing: no event follows
+    it, and that silence must not turn the worker degraded (a shorter-than-a-block prompt
+    neither); a prompt with one new block does arm the check."""
+    now = [0.0]
+    settings = KVEventsSettings(enabled=True, stale_timeout_s=1.0)
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        mgr = KVEventsManager(
+            settings, load_tokenizer(SIM_TOKENIZER), list, session, clock=lambda: now[0]
+        )
+        try:
+            desc = Descriptor("127.0.0.1", 1, "", 4, 1, None)
+            mgr._states["w"] = _WorkerState(tokenizer=mgr.tokenizers.default, desc=desc)
+            mgr._apply("w", 0, 0.0, [Stored([7, 8], None, _ids(8), 4)])
+            mgr.dispatched("w", _ids(9), NS0)  # blocks 1-2 held; the 9th token is no block
+            mgr.dispatched("w", _ids(3), NS0)  # no full block at all
+            now[0] = 5.0
+            assert mgr.mode("w") == MODE_EXACT
+            mgr.dispatched("w", _ids(12), NS0)  # block 3 is new: an event must follow
+            now[0] = 6.5
+            assert mgr.mode("w") == MODE_DEGRADED
+        finally:
+            await mgr.close()
+
+
 async def test_prepared_request_and_fidelity() -> None:
     import aiohttp
 
