@@ -328,6 +328,16 @@ class KVEventsManager:
         state.tasks.clear()
         state.feeds.clear()
 
+    def follow(self, worker_id: str, desc: Descriptor, tokenizer: Tokenizer | None = None) -> None:
+        """Follow a worker whose descriptor is known without discovery, its batches handed
+        to :meth:`apply_batch` by the caller rather than read from ZMQ (the offline replay,
+        which drives workers in virtual time)."""
+        self._states[worker_id] = _WorkerState(desc=desc, tokenizer=tokenizer)
+
+    def apply_batch(self, worker_id: str, rank: int, ts: float, events: list[Event]) -> None:
+        """One decoded batch of a followed worker, as its feed would hand it."""
+        self._apply(worker_id, rank, ts, events)
+
     # events ------------------------------------------------------------------
     def _apply(self, wid: str, rank: int, ts: float, events: list[Event]) -> None:
         state = self._states.get(wid)

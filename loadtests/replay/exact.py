@@ -13,7 +13,8 @@ the gateway's feed). Nothing peeks at a worker's cache.
 
 Two seams are the manager's private ones, as in ``tests/unit/test_kv_events_consumer.py``:
 a worker is followed by giving it a ``kv_events`` descriptor directly (no ``/server_info``
-discovery, no ZMQ feed), and a decoded batch goes to ``_apply`` as a feed would hand it.
+discovery, no ZMQ feed: ``follow``), and a decoded batch goes to ``apply_batch`` as a
+feed would hand it.
 What a request brings is its token ids (the replay tokenized it for the worker already):
 :class:`KnownTokens` is ``gateway.exact.request.ExactRequest`` with its tokenization
 done.
@@ -33,7 +34,7 @@ from typing import Any, cast
 
 from gateway.config import KVEventsConfig
 from gateway.exact.index import Namespace
-from gateway.exact.manager import KVEventsManager, _WorkerState
+from gateway.exact.manager import KVEventsManager
 from gateway.exact.wire import Descriptor, decode_batch
 from simulator.model.radix_cache import decode_tokens
 from simulator.model.tokenizer import default_tokenizer
@@ -88,7 +89,7 @@ class ReplayExact:
         self.manager = KVEventsManager(settings, default_tokenizer(), list, session, clock)
         for wid in worker_ids:
             desc = Descriptor("replay", 0, "", block_size, 1, None)
-            self.manager._states[wid] = _WorkerState(desc=desc)
+            self.manager.follow(wid, desc)
         self.delay_s = delay_s
         self._due: list[tuple[float, int, str, bytes]] = []  # (time, seq, worker, payload)
         self._seq = 0
@@ -107,7 +108,7 @@ class ReplayExact:
         while self._due and self._due[0][0] <= until:
             _, _, wid, payload = heapq.heappop(self._due)
             ts, events, rank = decode_batch(payload)
-            self.manager._apply(wid, rank, ts, events)
+            self.manager.apply_batch(wid, rank, ts, events)
             self.batches += 1
 
     def request(self, prompt_key: bytes) -> KnownTokens:
