@@ -11,10 +11,10 @@ and the batch is decoded and applied ``delay_s`` after the step ends (SGLang pub
 batch's events once the batch ran; the delay stands for the publisher, the network and
 the gateway's feed). Nothing peeks at a worker's cache.
 
-Two seams are the manager's private ones, as in ``tests/unit/test_kv_events_consumer.py``:
-a worker is followed by giving it a ``kv_events`` descriptor directly (no ``/server_info``
-discovery, no ZMQ feed: ``follow``), and a decoded batch goes to ``apply_batch`` as a
-feed would hand it.
+Two public seams of the manager stand in for discovery and the feeds: a worker is
+followed by giving it a ``kv_events`` descriptor directly (``follow``: no
+``/server_info``, no ZMQ), and a decoded batch goes to ``apply_batch`` as a feed would
+hand it.
 What a request brings is its token ids (the replay tokenized it for the worker already):
 :class:`KnownTokens` is ``gateway.exact.request.ExactRequest`` with its tokenization
 done.
