@@ -122,6 +122,33 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="publish the <=0.5.18 tagged-array event encoding (default: 0.5.23 maps)",
     )
+    lora = parser.add_argument_group("LoRA adapters (SGLang's flags; names only, no weights)")
+    lora.add_argument("--enable-lora", action="store_true", default=None, help="serve adapters")
+    lora.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=[],
+        metavar="SPEC",
+        help='adapters loaded at start: NAME=PATH, PATH, or {"lora_name","lora_path","pinned"}',
+    )
+    lora.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="distinct adapters in a running batch, the base model included (default 8)",
+    )
+    lora.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="adapters loaded at once; beyond it the least recently used is unloaded",
+    )
+    lora.add_argument(
+        "--lora-load-s",
+        type=float,
+        default=0.2,
+        help="modelled seconds to load one adapter (simulator's figure; default 0.2)",
+    )
     faults = parser.add_argument_group("faults (for tests)")
     faults.add_argument("--error-rate", type=float, default=0.0, help="fraction answered 5xx")
     faults.add_argument("--error-status", type=int, default=500, help="status of those errors")
@@ -157,6 +184,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         natural_output_tokens=args.natural_output_tokens,
         kv_events_config=args.kv_events_config,
         kv_events_legacy_array=args.kv_events_legacy_array,
+        enable_lora=args.enable_lora,
+        lora_paths=tuple(args.lora_paths),
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_loaded_loras=args.max_loaded_loras,
+        lora_load_s=args.lora_load_s,
         faults=Faults(
             error_rate=args.error_rate,
             error_status=args.error_status,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from simulator.faults import Faults
+from simulator.model.lora import parse_lora_spec
 from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
 
 SGLANG_VERSION = "0.5.23"
@@ -52,6 +53,18 @@ class SimConfig:
     # through transformers as SGLang uses it; None: the arithmetic pseudo-English one
     tokenizer_path: str | None = None
     chat_template: str | None = None  # a template file overriding the directory's
+    # LoRA (SGLang's --enable-lora, --lora-paths, --max-loras-per-batch,
+    # --max-loaded-loras): adapters are names (no weights are read); given paths turn
+    # LoRA on as in SGLang. Each spec: NAME=PATH, PATH (its own name) or
+    # {"lora_name", "lora_path", "pinned"} JSON.
+    enable_lora: bool | None = None
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    # modelled seconds to load one adapter's weights (an explicit load or SGLang's
+    # implicit reload of an evicted one); not a measured figure: a rank-16 adapter of an
+    # 8B model is ~80 MB, a disk read and a host-to-device copy
+    lora_load_s: float = 0.2
 
     def resolved_profile(self) -> Profile:
         return get_profile(self.profile)
@@ -60,6 +73,12 @@ class SimConfig:
     def model_name(self) -> str:
         """What ``/v1/models`` reports: ``served_model_name``, else ``model_path``."""
         return self.served_model_name or self.model_path
+
+    @property
+    def lora_enabled(self) -> bool:
+        """``--enable-lora``, or implied by ``--lora-paths`` (SGLang's
+        ``check_lora_server_args``; an explicit false ignores the paths)."""
+        return bool(self.lora_paths) if self.enable_lora is None else self.enable_lora
 
     def validate(self) -> None:
         if self.engine not in ENGINES:
@@ -82,6 +101,28 @@ class SimConfig:
             KVEventsConfig.from_json(self.kv_events_config)
         if self.chat_template is not None and self.tokenizer_path is None:
             raise ValueError("chat_template needs tokenizer_path")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        """SGLang's asserts in ``check_lora_server_args`` (0.5.23), same wording."""
+        if self.max_loras_per_batch <= 0:
+            raise ValueError("max_loras_per_batch must be positive")
+        if self.lora_load_s < 0:
+            raise ValueError("lora_load_s must be >= 0")
+        for spec in self.lora_paths:
+            parse_lora_spec(spec)
+        if self.lora_enabled and self.max_loaded_loras is not None:
+            if self.max_loaded_loras < self.max_loras_per_batch:
+                raise ValueError(
+                    "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+                    f"max_loaded_loras={self.max_loaded_loras}, "
+                    f"max_loras_per_batch={self.max_loras_per_batch}"
+                )
+            if len(self.lora_paths) > self.max_loaded_loras:
+                raise ValueError(
+                    "The number of LoRA paths should not exceed max_loaded_loras. "
+                    f"max_loaded_loras={self.max_loaded_loras}, lora_paths={len(self.lora_paths)}"
+                )
 
     def _validate_llamacpp(self) -> None:
         if self.slots < 1:

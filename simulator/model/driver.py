@@ -210,11 +210,16 @@ class ModelDriver:
             if prev_end is not None and now < prev_end + jitter:
                 now = prev_end  # on schedule: absorb timer jitter, never start early
             result = engine.step(now)
-            if result is None:
+            # idle, or idle for a while (a LoRA adapter loading): a submit wakes it sooner
+            if result is None or (result.kind == "idle" and result.duration > 0):
+                timeout = None
+                if result is not None:
+                    self._deliver(result)
+                    timeout = result.duration / self.speed
                 prev_end = None
                 self._wakeup = loop.create_future()
                 try:
-                    await self._wakeup
+                    await asyncio.wait((self._wakeup,), timeout=timeout)
                 finally:
                     self._wakeup = None
                 continue

@@ -60,6 +60,7 @@ class ReqState:
     """Scheduler-side state of one request."""
 
     __slots__ = (
+        "adapter",
         "admitted_at",
         "arrival",
         "cached_tokens",
@@ -97,6 +98,7 @@ class ReqState:
         self.key = prompt_key  # what prefill computes: the prompt, or prompt+output if retracted
         self.prompt_len = len(prompt_key) // TOKEN_BYTES
         self.namespace = req.namespace
+        self.adapter = req.adapter
         self.stream = req.stream
         self.output_ids = output_ids
         self.target = len(output_ids)  # tokens it will generate (EOS included)
@@ -164,6 +166,9 @@ class RadixState:
     output_source: OutputSource = pseudo_text_output
     eos_token_id: int = DEFAULT_EOS
     listener: CacheListener | None = None
+    # SGLang's --max-loras-per-batch (None: LoRA off): distinct adapters in one running
+    # batch, the base model (no adapter) counting as one
+    max_loras_per_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -183,6 +188,8 @@ class RadixState:
         self._running: list[ReqState] = []
         self._chunked: ReqState | None = None
         self._by_rid: dict[str, ReqState] = {}
+        # adapter → modelled time its weights are in place (a load or an implicit reload)
+        self._adapter_ready: dict[str, float] = {}
         self._pending: list[RequestOutput] = []
         self._new_token_ratio = self.profile.init_new_token_ratio
         self._ratio_decay = (
@@ -204,6 +211,32 @@ class RadixState:
         return min(self.profile.context_length - 1, self.cache.capacity - 1) - 5
 
     # ------------------------------------------------------------------ requests
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapter_loading(self, name: str, ready_at: float) -> None:
+        """``name``'s weights are being loaded until ``ready_at`` (modelled time): its
+        requests wait in the queue until then, the others are scheduled meanwhile (SGLang
+        with ``--enable-lora-overlap-loading``)."""
+        self._adapter_ready[name] = ready_at
+
+    def adapter_unloaded(self, name: str) -> None:
+        self._adapter_ready.pop(name, None)
+
+    def _adapter_wait(self, now: float) -> float | None:
+        """Modelled seconds until a waiting request's adapter is in place, when every
+        waiting request waits for one (else None)."""
+        ready = [self._adapter_ready.get(r.adapter, 0.0) for r in self._waiting if r.adapter]
+        if not ready or len(ready) < len(self._waiting) or min(ready) <= now:
+            return None
+        return min(ready) - now
+
+    def _lora_schedulable(self, r: ReqState, running: set[str | None], now: float) -> bool:
+        """SGLang's ``can_schedule_lora_req``: the adapter is in place, and adding it keeps
+        at most ``max_loras_per_batch`` distinct adapters (the base model is one)."""
+        if r.adapter is not None and self._adapter_ready.get(r.adapter, 0.0) > now:
+            return False
+        limit = self.max_loras_per_batch
+        return limit is None or r.adapter in running or len(running) < limit
+
     def submit(self, req: SimRequest, now: float) -> None:
         """Queue a request (a later ``step`` admits it)."""
         if req.rid in self._by_rid:

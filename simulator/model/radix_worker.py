@@ -93,6 +93,7 @@ class WorkerModel(RadixState):
             schedule_policy=config.schedule_policy,
             seed=config.seed,
             listener=listener,
+            max_loras_per_batch=config.max_loras_per_batch if config.lora_enabled else None,
             **extra,
         )
 
@@ -109,6 +110,9 @@ class WorkerModel(RadixState):
             result = self._run_decode(now, outputs)
         else:
             self._refresh_snapshots(now, metrics=True, load=True)
+            wait = self._adapter_wait(now)
+            if wait is not None:  # every waiting request waits for its adapter's weights
+                return StepResult(now, wait, "idle", outputs)
             if outputs:
                 return StepResult(now, 0.0, "idle", outputs)
             return None
@@ -155,10 +159,19 @@ class WorkerModel(RadixState):
                 sorted(self._waiting, key=lambda r: -cache.peek_prefix(r.key, r.namespace))
             )
 
+        loras: set[str | None] | None = None
+        if self.max_loras_per_batch is not None or self._adapter_ready:
+            loras = {r.adapter for r in self._running} | {r.adapter for r, _, _ in batch}
+        skipped: list[ReqState] = []  # waiting for an adapter: the next ones may go
         while self._waiting and budget_chunk >= page:
             if len(self._running) + len(batch) >= self.max_running_requests:
                 break
             r = self._waiting[0]
+            if loras is not None:
+                if not self._lora_schedulable(r, loras, now):
+                    skipped.append(self._waiting.popleft())
+                    continue
+                loras.add(r.adapter)
             limit = r.seq_len - 1
             limit -= limit % page
             matched, node = cache.match_prefix(r.key[: limit * TOKEN_BYTES], r.namespace)
@@ -187,6 +200,7 @@ class WorkerModel(RadixState):
             reserved += extend + decode_room
             if self._chunked is r:
                 break
+        self._waiting.extendleft(reversed(skipped))
         return batch
 
     def _run_prefill(

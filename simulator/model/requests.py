@@ -34,6 +34,7 @@ class SimRequest:
     # length limit comes first. None: no natural stop, the request runs to max_new_tokens.
     eos_at: int | None = None
     namespace: str = ""  # cache_salt / extra_key / LoRA: namespaces never share prefixes
+    adapter: str | None = None  # the LoRA adapter's name (None: the base model)
     stream: bool = True  # report every new token (else only the first token and the finish)
     output_ids: Sequence[int] | None = None  # planned output; default: pseudo-text
 

@@ -2,7 +2,8 @@
 
 Routes (SGLANG_API.md §1, §7): health and readiness, server/model info, ``/v1/models``,
 ``/v1/loads`` (and ``/get_load`` in the 0.5.5 list shape with ``legacy_get_load``),
-``/metrics`` (with ``enable_metrics``), ``/flush_cache``, ``/abort_request``, ``/generate``,
+``/metrics`` (with ``enable_metrics``), ``/flush_cache``, ``/abort_request``, the LoRA
+adapter routes, ``/generate``,
 ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/tokenize``,
 ``/v1/detokenize``; plus the simulator-only ``/_sim/faults`` and ``/_sim/stats``.
 
@@ -17,7 +18,8 @@ Reported latencies (metrics, ``e2e_latency``) are in modelled seconds.
 Layout: :mod:`.core` (the model, the KV event publisher, request parsing and submission),
 one module per route family (:mod:`.openai`: chat, completions, embeddings; :mod:`.native`:
 ``/generate``, tokenize, detokenize; :mod:`.info`: health, server and model info, loads,
-metrics; :mod:`.admin`: ``/flush_cache``, ``/abort_request``, ``/_sim/stats``), and
+metrics; :mod:`.admin`: ``/flush_cache``, ``/abort_request``, ``/_sim/stats``;
+:mod:`.lora`: ``/load_lora_adapter``, ``/unload_lora_adapter``), and
 :mod:`.worker`, whose :class:`SimulatedWorker` combines them and holds the route table.
 """
 

@@ -7,8 +7,10 @@ with the server. :meth:`SGLangCore._submit` applies SGLang's context-length chec
 ``ValueError`` carries SGLang's message; each route turns it into its own error shape) and
 queues the request with the driver. Request ids: ``rid`` from the body, else
 ``uuid4().hex``; a rid already in flight is refused by the model (``ValueError``). A
-request's cache namespace is its ``lora_path`` (or the adapter after ``model:``),
-``extra_key`` and ``cache_salt``: requests in different namespaces never share a prefix.
+request's cache namespace is its LoRA adapter (``model: "base:adapter"``, else
+``lora_path``), ``extra_key`` and ``cache_salt``: requests in different namespaces never
+share a prefix. The adapter must be loaded, or loaded once (then it is reloaded, costing
+``lora_load_s``), else the request fails as in SGLang (:mod:`simulator.model.lora`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from simulator.http import api
 from simulator.http.api import ApiError
 from simulator.http.base import HttpWorker
 from simulator.model.driver import DrivenModel, RequestHandle
+from simulator.model.lora import LoraAdapters, LoraRef, LoraUpdate, parse_lora_spec
 from simulator.model.radix_worker import WorkerModel
 from simulator.model.requests import SimRequest
 
@@ -43,6 +46,7 @@ class GenRequest:
     ignore_eos: bool
     namespace: str
     stream: bool
+    adapter: str | None = None  # the LoRA adapter's name (SGLang's lora_path)
 
 
 class SGLangCore(HttpWorker):
@@ -57,6 +61,12 @@ class SGLangCore(HttpWorker):
         self.kv_events = self._kv_publisher(config, index)
         listener = self.kv_events.recorder if self.kv_events is not None else None
         self.engine = WorkerModel.from_config(config, listener=listener, tokenizer=self.tokenizer)
+        self.loras = LoraAdapters(
+            config.lora_enabled,
+            [parse_lora_spec(spec) for spec in config.lora_paths],
+            config.max_loras_per_batch,
+            config.max_loaded_loras,
+        )
 
     def _driven_model(self) -> DrivenModel:
         return self.engine
@@ -102,7 +112,10 @@ class SGLangCore(HttpWorker):
         else:
             max_new = max(self.context_length - prompt_len - 1, 0)
             eos_at = min(self.config.natural_output_tokens, max_new) or None
+        for ref in self.loras.resolve([gen.adapter] if gen.adapter else []):
+            self.load_adapter(ref)  # SGLang's implicit reload of an evicted adapter
         req = SimRequest(
+            adapter=gen.adapter,
             rid=gen.rid,
             prompt_ids=gen.prompt_ids,
             max_new_tokens=max_new,
@@ -121,11 +134,35 @@ class SGLangCore(HttpWorker):
             raise api.wrong_type("rid", "string", rid)
         return rid
 
-    def _namespace(self, body: dict[str, Any]) -> str:
-        lora = body.get("lora_path")
+    def load_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Register ``ref``; its requests wait ``lora_load_s`` of modelled time for the
+        weights; adapters evicted to make room leave the model."""
+        result = self.loras.load(ref)
+        if result.success:
+            now = self.driver.now() if self._driver is not None else 0.0
+            self.engine.adapter_loading(ref.name, now + self.config.lora_load_s)
+            for name in result.evicted:
+                self.engine.adapter_unloaded(name)
+        return result
+
+    def _adapter(self, body: dict[str, Any]) -> str | None:
+        """The request's adapter, SGLang's way (``serving_base._resolve_lora_path``): the
+        adapter of ``model: "base:adapter"`` first (a model equal to the served name, or
+        nothing after the colon, names none), else ``lora_path`` (a batch's list: its
+        first adapter)."""
         model = body.get("model")
-        if not lora and isinstance(model, str) and ":" in model:
-            lora = model.split(":", 1)[1]
+        if isinstance(model, str) and ":" in model and model != self.model:
+            prefix = f"{self.model}:"
+            rest = model[len(prefix) :] if model.startswith(prefix) else model.split(":", 1)[1]
+            if rest.strip():
+                return rest.strip()
+        lora = body.get("lora_path")
+        if isinstance(lora, list):
+            lora = next((a for a in lora if a), None)
+        return lora if isinstance(lora, str) and lora else None
+
+    def _namespace(self, body: dict[str, Any]) -> str:
+        lora = self._adapter(body)
         extra, salt = body.get("extra_key"), body.get("cache_salt")
         parts = [str(lora or ""), str(extra or ""), str(salt or "")]
         return "\x1f".join(parts) if any(parts) else ""

@@ -26,6 +26,7 @@ from simulator.config import SGLANG_VERSION
 from simulator.http import api, metrics
 from simulator.http.base import json_response
 from simulator.http.sglang.core import SGLangCore
+from simulator.model.lora import parse_lora_spec
 from simulator.model.requests import SimRequest
 
 
@@ -101,7 +102,14 @@ class InfoRoutes(SGLangCore):
             "api_key": None,
             "random_seed": cfg.seed,
             "disaggregation_mode": "null",
-            "enable_lora": False,
+            "enable_lora": cfg.lora_enabled,
+            "lora_paths": [
+                {"lora_name": r.name, "lora_path": r.path, "pinned": r.pinned}
+                for r in map(parse_lora_spec, cfg.lora_paths)
+            ]
+            or None,
+            "max_loras_per_batch": cfg.max_loras_per_batch,
+            "max_loaded_loras": cfg.max_loaded_loras,
             "weight_version": api.WEIGHT_VERSION,
             "sim_profile": profile.name,
             "sim_speed": cfg.speed,
@@ -195,8 +203,26 @@ class InfoRoutes(SGLangCore):
             "max_model_len": self.context_length,
         }
 
+    def _adapter_cards(self) -> list[dict[str, Any]]:
+        """Loaded LoRA adapters: ``id`` the name, ``root`` the path, ``parent`` the served
+        model, no ``max_model_len`` (0.5.23's ``available_models``)."""
+        now = int(time.time())
+        return [
+            {
+                "id": ref.name,
+                "object": "model",
+                "created": now,
+                "owned_by": "sglang",
+                "root": ref.path,
+                "parent": self.model,
+                "max_model_len": None,
+            }
+            for ref in self.loras.loaded()
+        ]
+
     async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
-        return json_response({"object": "list", "data": [self._card()]})
+        cards = [self._card(), *self._adapter_cards()] if self.loras.enabled else [self._card()]
+        return json_response({"object": "list", "data": cards})
 
     def _model_card(self, name: str) -> web.StreamResponse:
         if name == self.model:

@@ -75,6 +75,7 @@ class NativeRoutes(SGLangCore):
                 explicit_max="max_new_tokens" in params,
                 ignore_eos=bool(params.get("ignore_eos", False)),
                 namespace=self._namespace(body),
+                adapter=self._adapter(body),
                 stream=stream,
             )
             for rid, prompt in zip(rids, prompts, strict=False)

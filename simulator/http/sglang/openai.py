@@ -138,6 +138,7 @@ class OpenAIRoutes(SGLangCore):
             explicit_max=max_tokens is not None,
             ignore_eos=bool(body.get("ignore_eos", False)),
             namespace=self._namespace(body),
+            adapter=self._adapter(body),
             stream=bool(body.get("stream", False)),
         )
         return (

@@ -7,11 +7,12 @@ from aiohttp import web
 from simulator.http.base import Handler, Route, json_response, route_table
 from simulator.http.sglang.admin import AdminRoutes
 from simulator.http.sglang.info import InfoRoutes
+from simulator.http.sglang.lora import LoraRoutes
 from simulator.http.sglang.native import NativeRoutes
 from simulator.http.sglang.openai import OpenAIRoutes
 
 
-class SimulatedWorker(OpenAIRoutes, NativeRoutes, InfoRoutes, AdminRoutes):
+class SimulatedWorker(OpenAIRoutes, NativeRoutes, InfoRoutes, AdminRoutes, LoraRoutes):
     """One simulated SGLang worker: model, driver, HTTP server, faults and stats.
 
     ``model`` is the served model name (what ``/v1/models`` reports); ``engine`` is the
@@ -34,6 +35,8 @@ class SimulatedWorker(OpenAIRoutes, NativeRoutes, InfoRoutes, AdminRoutes):
             ("/v1/loads", get, self._loads),
             ("/flush_cache", ("GET", "POST"), self._flush_cache),
             ("/abort_request", post, self._abort_request),
+            ("/load_lora_adapter", post, self._load_lora_adapter),
+            ("/unload_lora_adapter", post, self._unload_lora_adapter),
             ("/generate", ("POST", "PUT"), self._inference(self._generate, openai=False)),
             ("/v1/chat/completions", post, self._inference(self._chat, openai=True)),
             ("/v1/completions", post, self._inference(self._completions, openai=True)),
