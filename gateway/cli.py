@@ -229,6 +229,14 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "load.poll_interval_s",
         {"type": float, "help": "seconds between engine load polls; 0 off (1)"},
     ),
+    "--lora-unloaded": (
+        "lora.unloaded",
+        {"choices": ["load", "reject"], "help": "adapter loaded nowhere: load it, or 404 (load)"},
+    ),
+    "--no-lora-affinity": (
+        "lora.affinity",
+        {"action": "store_false", "help": "route adapter requests as if adapter-blind"},
+    ),
     "--redis-url": (
         "redis.url",
         {"help": "share state with other gateways: redis://HOST:PORT/DB or rediss://"},

@@ -182,6 +182,24 @@ class RequestConfig:
     routing_key_from_user: bool = True  # the OpenAI `user` field is a routing key too
 
 
+LORA_UNLOADED = ("load", "reject")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraConfig:
+    # A request naming a LoRA adapter (model "base:adapter", or lora_path) goes only to
+    # workers that have it loaded (their /v1/models cards with a parent); false: adapters
+    # are ignored in candidate choice (adapter-blind, as before).
+    affinity: bool = True
+    # When no healthy worker has the adapter loaded: "load" asks the chosen worker
+    # (LoRA-enabled, serving the base model) to POST /load_lora_adapter first, with the
+    # path the adapter was last seen loaded from (SGLang answers 400 for an adapter it
+    # never loaded); an adapter never seen anywhere, or "reject", gets 404 model_not_found.
+    unloaded: str = "load"
+    # Bound on one /load_lora_adapter call the gateway makes.
+    load_timeout_s: float = 60.0
+
+
 @dataclass(frozen=True, slots=True)
 class HealthConfig:
     interval_s: float = 5.0  # a dead worker is flagged within interval x failure_threshold
@@ -329,6 +347,7 @@ class GatewayConfig:
     prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     request: RequestConfig = field(default_factory=RequestConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
@@ -502,6 +521,7 @@ def _validate_timeouts(cfg: GatewayConfig) -> None:
         ("outlier.base_ejection_s", cfg.outlier.base_ejection_s),
         ("outlier.max_ejection_s", cfg.outlier.max_ejection_s),
         ("admission.queue_timeout_s", cfg.admission.queue_timeout_s),
+        ("lora.load_timeout_s", cfg.lora.load_timeout_s),
     ):
         _check(value > 0, key, "must be > 0", value)
 
@@ -545,6 +565,12 @@ def _validate_sections(cfg: GatewayConfig) -> None:
     )
     _check(
         cfg.request.block_chars >= 1, "request.block_chars", "must be ≥ 1", cfg.request.block_chars
+    )
+    _check(
+        cfg.lora.unloaded in LORA_UNLOADED,
+        "lora.unloaded",
+        f"must be one of {', '.join(LORA_UNLOADED)}",
+        cfg.lora.unloaded,
     )
     _check(cfg.retry.max_retries >= 0, "retry.max_retries", "must be ≥ 0", cfg.retry.max_retries)
     a = cfg.admission

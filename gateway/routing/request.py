@@ -20,7 +20,10 @@ Contract:
   routing core re-sizes them with the ratio learnt from the workers' answers
   (``routing.tokens``). Token-id prompts are exact (``tokens_exact``).
 - The hash chain is seeded with the model and the cache namespace (``cache_salt``,
-  ``extra_key``, ``lora_path``), since a worker never shares cache across them.
+  ``extra_key``, ``lora_path``), since a worker never shares cache across them (a
+  ``model: "base:adapter"`` differs from ``base`` already).
+- The LoRA adapter a request names (:meth:`RouteRequest.target`: ``model:
+  "base:adapter"`` first, else ``lora_path``) is read here and nowhere else.
 - The prompt text is never logged or stored: only its hashes and lengths leave here.
 """
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -94,6 +97,14 @@ class RouteRequest:
     rid_in_body: bool = False  # the body has a non-null rid (string, or a list for batches)
     tokens_exact: bool = False  # the prompt is token ids: prompt_tokens is exact
     batch: bool = False  # a list of prompts (SGLang wants a list of rids then, or none)
+    lora_path: str | None = None  # SGLang's lora_path when a string: an adapter's name
+
+    def target(self, served: Collection[str]) -> tuple[str | None, str | None]:
+        """(base model, LoRA adapter) this request names, given the names the workers
+        serve under: :func:`split_model` of ``model``, whose adapter wins over
+        ``lora_path`` (SGLang's ``serving_base._resolve_lora_path``)."""
+        base, adapter = split_model(self.model, served)
+        return base, adapter or self.lora_path
 
     def matched_tokens(self, blocks: int) -> int:
         """Tokens covered by ``blocks`` leading blocks of this prompt (estimate)."""
@@ -145,7 +156,33 @@ def parse_request(
         rid_in_body=rid_value is not None,
         tokens_exact=prompt.exact,
         batch=prompt.batch,
+        lora_path=_lora_path(obj),
     )
+
+
+def _lora_path(obj: Mapping[str, Any]) -> str | None:
+    """``lora_path`` as a string (a batch's list: its first adapter); else None."""
+    value = obj.get("lora_path")
+    if isinstance(value, list):
+        value = next((v for v in value if v), None)
+    if value is not None and not isinstance(value, str):
+        raise RequestError(400, "'lora_path' must be a string or a list of strings", "lora_path")
+    return value or None
+
+
+def split_model(model: str | None, served: Collection[str]) -> tuple[str | None, str | None]:
+    """``"base:adapter"`` → (base, adapter), SGLang's ``_parse_model_parameter``: a name
+    some worker serves under is a base model whole, colons and all; a served name followed
+    by ``:`` is split after it; otherwise at the first colon; nothing after it names no
+    adapter."""
+    if model is None or ":" not in model or model in served:
+        return model, None
+    base = next((name for name in served if model.startswith(f"{name}:")), None)
+    if base is None:
+        base, adapter = model.split(":", 1)
+    else:
+        adapter = model[len(base) + 1 :]
+    return base.strip(), adapter.strip() or None
 
 
 def _load(body: bytes) -> dict[str, Any]:

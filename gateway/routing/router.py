@@ -44,6 +44,7 @@ from gateway.forward.outbound import body_with_rid, new_rid
 from gateway.forward.upstream import UpstreamPool, UpstreamResponse
 from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
+from gateway.routing.lora import load_adapter, lora_candidates
 from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.slot_gate import SlotGate
 from gateway.workers.kinds import kind_named
@@ -152,6 +153,7 @@ class Router:
         self._slots = slots
         self._exact = exact
         self._max_attempts = 1 + config.retry.max_retries
+        self._lora = config.lora
         self._abort_timeout = config.server.abort_timeout_s
         self._request_timeout = config.server.request_timeout_s
 
@@ -176,17 +178,26 @@ class Router:
         record: DecisionRecord | None = None
         status = 503
         try:
+            model, adapter = req.model, None  # as before unless some worker serves LoRA
+            if self._lora.affinity and self.registry.serves_lora():
+                model, adapter = req.target(self.registry.served_names())
             if call.exact is not None:  # off the loop for a large body; a retry's fewer
                 # candidates reuse these tokens
-                ids = [w.id for w in self.registry.candidates((), req.model)]
+                ids = [w.id for w in self.registry.candidates((), model, adapter)]
                 await call.exact.prepare_tokens(ids)
             for attempt in range(self._max_attempts):
-                workers = self.registry.candidates(excluded, req.model)
+                workers = self.registry.candidates(excluded, model, adapter)
                 if not workers:
-                    if attempt == 0 and _unknown_model(self.registry, req.model):
+                    if attempt == 0 and _unknown_model(self.registry, model):
                         status = 404
-                        raise _model_not_found(req.model)
+                        raise _model_not_found(model)
                     break
+                lora_path = None
+                if adapter is not None:
+                    status = 404
+                    workers, lora_path = lora_candidates(
+                        workers, adapter, self._lora, self.registry
+                    )
                 choice = self.core.choose(req, workers, self.registry.clock(), call.exact)
                 worker = choice.worker
                 record = DecisionRecord.from_decision(
@@ -203,6 +214,8 @@ class Router:
                 self.hooks.decided(record)
                 final = attempt == self._max_attempts - 1 or len(workers) == 1
                 try:
+                    if lora_path is not None and adapter not in worker.adapters:
+                        await self._load_adapter(worker, adapter, lora_path)
                     response = await self._attempt(call, choice, record, final, attempt)
                 except relay.AttemptFailed as exc:
                     failure = exc
@@ -326,6 +339,22 @@ class Router:
             self._outlier.record(worker, OUTCOME_5XX)  # a hang counts like a 5xx
         if exc.kind in ("dropped", *_TIMEOUTS):
             self._abort(worker, rid, upstream)  # it may still be working on it
+
+    async def _load_adapter(self, worker: Worker, adapter: str | None, path: str) -> None:
+        """``adapter`` onto ``worker`` before the request goes there (``routing.lora``); a
+        refusal fails this attempt like a 502 (another worker is tried)."""
+        assert adapter is not None
+        why = await load_adapter(
+            self._fwd.session,
+            worker,
+            (adapter, path),
+            self._lora,
+            self.registry,
+            self._worker_auth,
+        )
+        if why is not None:
+            log.warning("worker %s: loading LoRA adapter %s: %s", worker.url, adapter, why)
+            raise relay.AttemptFailed("lora_load", why)
 
     def _abort(self, worker: Worker, rid: str | None, upstream: UpstreamResponse | None) -> None:
         if upstream is not None:

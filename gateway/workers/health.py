@@ -15,6 +15,8 @@ Contract:
   llama.cpp ``/props``, ``/v1/models`` (``owned_by``) that parses; its metadata comes from
   that same answer. Until then it is treated as SGLang; it is probed again at once with
   its own kind's path if the first probe failed.
+- After each pass, a worker whose ``/server_info`` says ``enable_lora`` has its loaded
+  LoRA adapters re-read from ``/v1/models`` (cards with a ``parent``).
 - :meth:`HealthChecker.check_now` probes one worker at once (used when a worker is added).
 """
 
@@ -37,6 +39,7 @@ from gateway.workers.kinds import (
     kind_named,
 )
 from gateway.workers.registry import HealthFlag, Worker, WorkerMetadata, WorkerRegistry
+from gateway.workers.replies import parse_adapters
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +71,17 @@ class HealthChecker:
                 ok, server = await self._probe(worker)  # with its own kind's path
         elif ok and worker.metadata.model is None:
             await self.refresh_metadata(worker)
+        if ok and worker.metadata.lora_enabled:
+            await self.refresh_adapters(worker)
         self.record(worker, ok)
         return ok
+
+    async def refresh_adapters(self, worker: Worker) -> None:
+        """Re-read the LoRA adapters ``worker`` has loaded (``/v1/models`` cards with a
+        ``parent``); kept as they were when it does not answer."""
+        adapters = parse_adapters(await self._get_json(worker, "/v1/models"))
+        if adapters is not None:
+            self._registry.set_adapters(worker, adapters)
 
     async def _probe(self, worker: Worker) -> tuple[bool, str | None]:
         """(passed, the answer's ``Server`` header: "" if absent, None if no answer)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,8 +49,10 @@ class WorkerMetadata:
     capacity_tokens: int | None = None  # max_total_num_tokens
     page_size: int | None = None
     max_sequences: int | None = None  # prompts it keeps cached when slots bind (llama.cpp)
+    lora_enabled: bool = False  # serves LoRA adapters (SGLang's enable_lora)
 
 
+_MAX_ADAPTER_PATHS = 100_000
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -69,6 +71,7 @@ class Worker:
     """One worker's mutable state. Only the modules named in the module contract write it."""
 
     __slots__ = (
+        "adapters",
         "added_at",
         "consecutive_5xx",
         "consecutive_connect_errors",
@@ -110,6 +113,8 @@ class Worker:
         self.peer_queued_prefill_tokens = 0
         self.peer_decoding_requests = 0
         self.metadata = WorkerMetadata()
+        # LoRA adapters loaded there, name → path (its /v1/models cards with a parent)
+        self.adapters: dict[str, str] = {}
         self.engine_load: EngineLoad | None = None
         self.load_read_at = 0.0
         # active checks: consecutive results since the last flip
@@ -183,6 +188,7 @@ class Worker:
             "capacity_tokens": self.metadata.capacity_tokens,
             "page_size": self.metadata.page_size,
             "max_sequences": self.metadata.max_sequences,
+            "lora_adapters": sorted(self.adapters) if self.metadata.lora_enabled else None,
             "times_ejected": self.times_ejected,
             "ejected_for_s": max(0.0, self.ejected_until - now)
             if HealthFlag.EJECTED in self.flags
@@ -207,6 +213,9 @@ class WorkerRegistry:
         self._panic_threshold = panic_threshold
         self._removed_listeners: list[Callable[[Worker], None]] = []
         self.clock = clock
+        # every LoRA adapter seen loaded on a worker, name → path: what a load call needs
+        # once no worker holds it any more (bounded: the oldest are forgotten)
+        self._adapter_paths: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -261,13 +270,46 @@ class WorkerRegistry:
     def serves_any(self, model: str) -> bool:
         return any(w.serves(model) for w in self._workers.values())
 
-    def candidates(self, excluded: Sequence[str] = (), model: str | None = None) -> list[Worker]:
+    def served_names(self) -> set[str]:
+        """Every name a request may use for a model some worker serves."""
+        names = self.served_models()
+        for w in self._workers.values():
+            names.update(w.metadata.models)
+        return names
+
+    def serves_lora(self) -> bool:
+        """Some worker said it serves LoRA adapters (else requests' adapters are left
+        to the workers, and a ``model`` with a colon is a model name as before)."""
+        return any(w.metadata.lora_enabled for w in self._workers.values())
+
+    def set_adapters(self, worker: Worker, adapters: Mapping[str, str]) -> None:
+        """``worker`` has these LoRA adapters loaded now (name → path)."""
+        worker.adapters = dict(adapters)
+        for name, path in adapters.items():
+            self._adapter_paths.pop(name, None)
+            self._adapter_paths[name] = path
+        while len(self._adapter_paths) > _MAX_ADAPTER_PATHS:
+            del self._adapter_paths[next(iter(self._adapter_paths))]
+
+    def adapter_path(self, name: str) -> str | None:
+        """The path ``name`` was last seen loaded from, on any worker."""
+        return self._adapter_paths.get(name)
+
+    def candidates(
+        self, excluded: Sequence[str] = (), model: str | None = None, adapter: str | None = None
+    ) -> list[Worker]:
         """Routable workers not in ``excluded``; every non-draining one in panic. With
         several models behind the gateway, only workers serving ``model`` (the health
-        and panic rules apply among them)."""
+        and panic rules apply among them). With ``adapter``, only the workers that have
+        that LoRA adapter loaded, when one of them is healthy and not excluded (else all:
+        the caller decides whether one may load it)."""
         workers: Sequence[Worker] = list(self._workers.values())
         if model is not None and self.multi_model():
             workers = [w for w in workers if w.serves(model)]
+        if adapter is not None:
+            holding = [w for w in workers if adapter in w.adapters]
+            if any(not w.flags and w.id not in excluded for w in holding):
+                workers = holding
         healthy = [w for w in workers if not w.flags and w.id not in excluded]
         if healthy and len(healthy) >= self._panic_threshold * len(workers):
             return healthy

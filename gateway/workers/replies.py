@@ -30,13 +30,29 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
         if isinstance(states, list) and states and isinstance(states[0], Mapping):
             capacity = states[0].get("max_total_num_tokens")
     page = info.get("page_size")
+    lora = info.get("enable_lora") is True
     names = (info.get("served_model_name"), info.get("model_path"))
     return WorkerMetadata(
         model=model if isinstance(model, str) else None,
         models=frozenset(n for n in names if isinstance(n, str) and n),
         capacity_tokens=capacity if isinstance(capacity, int) and capacity > 0 else None,
         page_size=page if isinstance(page, int) and page > 0 else None,
+        lora_enabled=lora,
     )
+
+
+def parse_adapters(body: Any) -> dict[str, str] | None:
+    """The LoRA adapters a ``/v1/models`` body lists (cards with a ``parent``: SGLang,
+    vLLM), name → path (``root``, else the name); None if not a model list."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return None
+    adapters: dict[str, str] = {}
+    for card in data:
+        if isinstance(card, dict) and card.get("parent") and isinstance(card.get("id"), str):
+            root = card.get("root")
+            adapters[card["id"]] = root if isinstance(root, str) and root else card["id"]
+    return adapters
 
 
 def _num(entry: Mapping[str, Any], key: str) -> float:
