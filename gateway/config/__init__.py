@@ -198,6 +198,20 @@ class LoraConfig:
     unloaded: str = "load"
     # Bound on one /load_lora_adapter call the gateway makes.
     load_timeout_s: float = 60.0
+    # ["NAME=PATH", ...] (SGLang's --lora-paths syntax): what the gateway loads each
+    # adapter from, whatever a worker reports (the operator's word; adapters named here
+    # need not have been seen on a worker).
+    paths: tuple[str, ...] = ()
+    # Adapters not in `paths`: load them from the path a worker's /v1/models card (or load
+    # answer) reported. A worker can name any path there, and the gateway then sends it to
+    # the other workers' /load_lora_adapter: false where workers are not trusted with that.
+    # A name two workers report with different paths is never loaded from either.
+    paths_from_workers: bool = True
+    # Load calls the gateway makes, fleet-wide: at most load_rate_per_s on average, in
+    # bursts of load_burst (each load may evict an adapter others use); beyond, 503 with
+    # Retry-After. 0: unbounded.
+    load_rate_per_s: float = 2.0
+    load_burst: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,6 +580,16 @@ def _validate_sections(cfg: GatewayConfig) -> None:
     _check(
         cfg.request.block_chars >= 1, "request.block_chars", "must be ≥ 1", cfg.request.block_chars
     )
+    _check(
+        cfg.lora.load_rate_per_s >= 0,
+        "lora.load_rate_per_s",
+        "must be ≥ 0",
+        cfg.lora.load_rate_per_s,
+    )
+    _check(cfg.lora.load_burst >= 1, "lora.load_burst", "must be ≥ 1", cfg.lora.load_burst)
+    for entry in cfg.lora.paths:
+        name, _, path = entry.partition("=")
+        _check(bool(name) and bool(path), "lora.paths", "entries must be NAME=PATH", entry)
     _check(
         cfg.lora.unloaded in LORA_UNLOADED,
         "lora.unloaded",

@@ -17,45 +17,139 @@ Contract:
     (``loaded_adapters``) becomes that worker's adapter set at once;
   - ``reject``, or an adapter never seen on any worker, or no LoRA-enabled worker: OpenAI's
     404 ``model_not_found`` naming the adapter.
+- Hardening (workers and clients are hostile, docs/SECURITY.md): the path loaded is
+  ``lora.paths``' when the operator names the adapter, else a worker's only with
+  ``lora.paths_from_workers`` and only while no two workers disagree on it; a load goes
+  only to workers serving the base model the adapter was seen on; one load per adapter
+  at a time (concurrent requests for it wait for that load, on that worker); loads are
+  rate-bounded fleet-wide (``lora.load_rate_per_s``, ``lora.load_burst``: 503 beyond);
+  a load's answer is read up to ``MAX_LOAD_ANSWER`` bytes, and a 200 whose
+  ``loaded_adapters`` lacks the adapter (or ``success: false``) is a failed load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import aiohttp
 import orjson
 
 from gateway.config import LoraConfig
 from gateway.errors import GatewayError
-from gateway.workers.registry import Worker, WorkerRegistry
+from gateway.workers.registry import Worker, WorkerRegistry, adapter_name_ok
 
 LOAD_PATH = "/load_lora_adapter"
+MAX_LOAD_ANSWER = 1 << 20  # bytes of a load's answer read; beyond, the load failed
+_SHOWN = 128  # characters of a client-named adapter quoted back in an error
 
 
-def adapter_not_found(adapter: str) -> GatewayError:
+def _shown(adapter: str) -> str:
+    return adapter if len(adapter) <= _SHOWN else adapter[:_SHOWN] + "…"
+
+
+def adapter_not_found(adapter: str, why: str = "is not loaded on any worker") -> GatewayError:
     """OpenAI's answer to an adapter no worker can serve: 404, ``model_not_found``."""
     return GatewayError(
         404,
-        f"The LoRA adapter `{adapter}` is not loaded on any worker.",
+        f"The LoRA adapter `{_shown(adapter)}` {why}.",
         param="model",
         err_type="invalid_request_error",
         code="model_not_found",
     )
 
 
+@dataclass
+class _Loads:
+    """One registry's load calls: those in flight, by (worker id, adapter), and the
+    token bucket bounding how many start."""
+
+    inflight: dict[tuple[str, str], asyncio.Task[str | None]] = field(default_factory=dict)
+    tokens: float = -1.0  # -1: full (set at first use)
+    stamp: float = 0.0
+
+    def take(self, config: LoraConfig, now: float) -> bool:
+        if config.load_rate_per_s <= 0:
+            return True
+        if self.tokens < 0:
+            self.tokens = float(config.load_burst)
+        else:
+            elapsed = max(0.0, now - self.stamp)
+            self.tokens = min(config.load_burst, self.tokens + elapsed * config.load_rate_per_s)
+        self.stamp = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+_LOADS: weakref.WeakKeyDictionary[WorkerRegistry, _Loads] = weakref.WeakKeyDictionary()
+
+
+def _loads(registry: WorkerRegistry) -> _Loads:
+    loads = _LOADS.get(registry)
+    if loads is None:
+        loads = _LOADS[registry] = _Loads()
+    return loads
+
+
+@functools.lru_cache(maxsize=4)
+def configured_paths(entries: tuple[str, ...]) -> Mapping[str, str]:
+    """``lora.paths`` ("NAME=PATH" entries, validated at load) as name → path."""
+    pairs = (entry.partition("=") for entry in entries)
+    return MappingProxyType({name: path for name, _, path in pairs})
+
+
+def _source(
+    adapter: str, config: LoraConfig, registry: WorkerRegistry
+) -> tuple[str | None, str | None, str]:
+    """(the path to load ``adapter`` from, the base model it belongs to, why none)."""
+    configured = configured_paths(config.paths).get(adapter)
+    if configured:
+        return configured, None, ""
+    known = registry.adapter_source(adapter) if adapter_name_ok(adapter) else None
+    if known is None:
+        return None, None, "is not loaded on any worker"
+    if not config.paths_from_workers:
+        return None, None, "is not loaded on any worker and has no configured path"
+    if known.conflicted:
+        return None, None, "is not loaded on any worker and workers disagree on its path"
+    return known.path, known.parent, ""
+
+
 def lora_candidates(
     workers: Sequence[Worker], adapter: str, config: LoraConfig, registry: WorkerRegistry
 ) -> tuple[list[Worker], str | None]:
     """(the candidates for a request naming ``adapter``, the path to load it from on a
-    chosen worker that lacks it: None when every candidate holds it). Raises the 404."""
+    chosen worker that lacks it: None when every candidate holds it). Raises the 404, or
+    503 when the load rate is spent."""
     if all(adapter in w.adapters for w in workers):
         return list(workers), None
-    path = registry.adapter_path(adapter)
-    able = [w for w in workers if w.metadata.lora_enabled]
-    if config.unloaded == "reject" or path is None or not able:
+    if config.unloaded == "reject":
         raise adapter_not_found(adapter)
+    path, parent, why = _source(adapter, config, registry)
+    if path is None:
+        raise adapter_not_found(adapter, why)
+    able = [w for w in workers if w.metadata.lora_enabled and (parent is None or w.serves(parent))]
+    if not able:
+        raise adapter_not_found(adapter)
+    loads = _loads(registry)
+    loading = [w for w in able if (w.id, adapter) in loads.inflight]
+    if loading:  # it will be there soon: wait for that load rather than start another
+        return loading, path
+    if not loads.take(config, registry.clock()):
+        raise GatewayError(
+            503,
+            "LoRA adapter loads are rate-limited; retry shortly",
+            err_type="server_error",
+            code="lora_load_rate_limited",
+            retry_after=1.0,
+        )
     return able, path
 
 
@@ -68,7 +162,43 @@ async def load_adapter(
     headers: Mapping[str, str],
 ) -> str | None:
     """Load the adapter ``(name, path)`` on ``worker``; None when it is there now, else
-    why not."""
+    why not. Concurrent calls for the same worker and adapter share one load, which
+    runs to its end (``lora.load_timeout_s``) even if the request that started it is
+    cancelled."""
+    key = (worker.id, adapter_path[0])
+    loads = _loads(registry)
+    task = loads.inflight.get(key)
+    if task is None:
+        task = asyncio.ensure_future(
+            _load(session, worker, adapter_path, config, registry, dict(headers))
+        )
+        loads.inflight[key] = task
+
+        def done(finished: asyncio.Task[str | None]) -> None:
+            if loads.inflight.get(key) is finished:
+                del loads.inflight[key]
+
+        task.add_done_callback(done)
+    return await asyncio.shield(task)
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse) -> bytes | None:
+    raw = bytearray()
+    async for chunk in resp.content.iter_chunked(65536):
+        raw += chunk
+        if len(raw) > MAX_LOAD_ANSWER:
+            return None
+    return bytes(raw)
+
+
+async def _load(
+    session: aiohttp.ClientSession,
+    worker: Worker,
+    adapter_path: tuple[str, str],
+    config: LoraConfig,
+    registry: WorkerRegistry,
+    headers: Mapping[str, str],
+) -> str | None:
     adapter, path = adapter_path
     body = {"lora_name": adapter, "lora_path": path}
     try:
@@ -79,19 +209,26 @@ async def load_adapter(
             timeout=aiohttp.ClientTimeout(total=config.load_timeout_s),
             allow_redirects=False,
         ) as resp:
-            raw = await resp.read()
+            raw = await _read_bounded(resp)
             status = resp.status
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        return f"{LOAD_PATH} failed: {exc or type(exc).__name__}"
+        return f"{LOAD_PATH} failed: {type(exc).__name__}"
+    if raw is None:
+        return f"{LOAD_PATH} answered over {MAX_LOAD_ANSWER} bytes"
     answer: object = None
     with contextlib.suppress(orjson.JSONDecodeError):
         answer = orjson.loads(raw)
-    message = answer.get("error_message") if isinstance(answer, dict) else None
-    if status != 200 and not (isinstance(message, str) and "already loaded" in message):
-        return f"{LOAD_PATH} answered {status}: {message or raw[:200]!r}"
-    loaded = answer.get("loaded_adapters") if isinstance(answer, dict) else None
+    fields = answer if isinstance(answer, dict) else {}
+    message = fields.get("error_message")
+    already = isinstance(message, str) and "already loaded" in message
+    if (status != 200 or fields.get("success") is False) and not already:
+        shown = message[:200] if isinstance(message, str) else raw[:200]
+        return f"{LOAD_PATH} answered {status}: {shown!r}"
+    loaded = fields.get("loaded_adapters")
     if isinstance(loaded, dict) and all(isinstance(v, str) for v in loaded.values()):
+        if adapter not in loaded:
+            return f"{LOAD_PATH} answered {status} without the adapter in loaded_adapters"
         registry.set_adapters(worker, {str(k): v for k, v in loaded.items()})
     else:
         registry.set_adapters(worker, {**worker.adapters, adapter: path})
-    return None
+    return None if adapter in worker.adapters else f"{LOAD_PATH}: the adapter was not kept"

@@ -173,11 +173,12 @@ def _lora_path(obj: Mapping[str, Any]) -> str | None:
 def split_model(model: str | None, served: Collection[str]) -> tuple[str | None, str | None]:
     """``"base:adapter"`` → (base, adapter), SGLang's ``_parse_model_parameter``: a name
     some worker serves under is a base model whole, colons and all; a served name followed
-    by ``:`` is split after it; otherwise at the first colon; nothing after it names no
-    adapter."""
+    by ``:`` is split after it (the longest such name: the same split whatever the order
+    of ``served``); otherwise at the first colon; nothing after it names no adapter."""
     if model is None or ":" not in model or model in served:
         return model, None
-    base = next((name for name in served if model.startswith(f"{name}:")), None)
+    prefixes = [name for name in served if model.startswith(f"{name}:")]
+    base = max(prefixes, key=lambda name: (len(name), name)) if prefixes else None
     if base is None:
         base, adapter = model.split(":", 1)
     else:

@@ -79,9 +79,9 @@ class HealthChecker:
     async def refresh_adapters(self, worker: Worker) -> None:
         """Re-read the LoRA adapters ``worker`` has loaded (``/v1/models`` cards with a
         ``parent``); kept as they were when it does not answer."""
-        adapters = parse_adapters(await self._get_json(worker, "/v1/models"))
-        if adapters is not None:
-            self._registry.set_adapters(worker, adapters)
+        listed = parse_adapters(await self._get_json(worker, "/v1/models"))
+        if listed is not None:
+            self._registry.set_adapters(worker, *listed)
 
     async def _probe(self, worker: Worker) -> tuple[bool, str | None]:
         """(passed, the answer's ``Server`` header: "" if absent, None if no answer)."""

@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import enum
+import logging
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,6 +29,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from policies.base import EngineLoad, WorkerCost, WorkerView
+
+log = logging.getLogger(__name__)
 
 
 class HealthFlag(enum.Enum):
@@ -52,7 +55,35 @@ class WorkerMetadata:
     lora_enabled: bool = False  # serves LoRA adapters (SGLang's enable_lora)
 
 
-_MAX_ADAPTER_PATHS = 100_000
+# LoRA adapters as workers report them (their /v1/models cards, their load answers): a
+# hostile worker may report anything, so what is kept is bounded. Names and paths with a
+# control character, or longer than these, are dropped; beyond MAX_WORKER_ADAPTERS the
+# rest of a worker's list is ignored; the oldest of MAX_ADAPTER_PATHS are forgotten.
+MAX_ADAPTER_NAME = 256
+MAX_ADAPTER_PATH = 1024
+MAX_WORKER_ADAPTERS = 1024
+_MAX_ADAPTER_PATHS = 10_000
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def adapter_name_ok(name: object, limit: int = MAX_ADAPTER_NAME) -> bool:
+    """A LoRA adapter name (or path, with its own ``limit``) the gateway keeps: a
+    non-empty string of at most ``limit`` characters without control characters."""
+    return isinstance(name, str) and 0 < len(name) <= limit and not _CONTROL.search(name)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSource:
+    """Where a LoRA adapter was seen loaded from: what a load call on another worker
+    would use. ``conflicted``: two workers reported different paths for the name, so none
+    is used (sticky: a worker cannot take over a name others hold by reporting a path of
+    its own; the operator's ``lora.paths`` settles it)."""
+
+    path: str
+    parent: str | None  # the base model it was seen on (card's parent, else the worker's)
+    conflicted: bool = False
+
+
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -213,9 +244,9 @@ class WorkerRegistry:
         self._panic_threshold = panic_threshold
         self._removed_listeners: list[Callable[[Worker], None]] = []
         self.clock = clock
-        # every LoRA adapter seen loaded on a worker, name → path: what a load call needs
-        # once no worker holds it any more (bounded: the oldest are forgotten)
-        self._adapter_paths: dict[str, str] = {}
+        # every LoRA adapter seen loaded on a worker: what a load call needs once no
+        # worker holds it any more (bounded: the oldest are forgotten)
+        self._adapter_paths: dict[str, AdapterSource] = {}
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -282,18 +313,52 @@ class WorkerRegistry:
         to the workers, and a ``model`` with a colon is a model name as before)."""
         return any(w.metadata.lora_enabled for w in self._workers.values())
 
-    def set_adapters(self, worker: Worker, adapters: Mapping[str, str]) -> None:
-        """``worker`` has these LoRA adapters loaded now (name → path)."""
-        worker.adapters = dict(adapters)
+    def set_adapters(
+        self,
+        worker: Worker,
+        adapters: Mapping[str, str],
+        parents: Mapping[str, str] | None = None,
+    ) -> None:
+        """``worker`` has these LoRA adapters loaded now (name → path; ``parents``: name →
+        the base model its card names). Bounded and filtered (``adapter_name_ok``); a
+        path differing from the one another worker reported marks the name conflicted."""
+        kept: dict[str, str] = {}
         for name, path in adapters.items():
-            self._adapter_paths.pop(name, None)
-            self._adapter_paths[name] = path
+            if len(kept) >= MAX_WORKER_ADAPTERS:
+                log.warning("worker %s lists over %d LoRA adapters", worker.url, len(kept))
+                break
+            if adapter_name_ok(name) and adapter_name_ok(path, MAX_ADAPTER_PATH):
+                kept[name] = path
+        worker.adapters = kept
+        for name, path in kept.items():
+            parent = (parents or {}).get(name)
+            if not adapter_name_ok(parent):
+                parent = worker.metadata.model
+            known = self._adapter_paths.pop(name, None)
+            if known is None:
+                known = AdapterSource(path, parent)
+            elif known.path != path and not known.conflicted:
+                log.warning(
+                    "LoRA adapter %r: worker %s reports path %r, another %r; not loaded "
+                    "anywhere by the gateway until lora.paths names it",
+                    name,
+                    worker.url,
+                    path,
+                    known.path,
+                )
+                known = AdapterSource(known.path, known.parent, conflicted=True)
+            self._adapter_paths[name] = known
         while len(self._adapter_paths) > _MAX_ADAPTER_PATHS:
             del self._adapter_paths[next(iter(self._adapter_paths))]
 
-    def adapter_path(self, name: str) -> str | None:
-        """The path ``name`` was last seen loaded from, on any worker."""
+    def adapter_source(self, name: str) -> AdapterSource | None:
+        """Where ``name`` was seen loaded from, on any worker (None: never seen)."""
         return self._adapter_paths.get(name)
+
+    def adapter_path(self, name: str) -> str | None:
+        """The path ``name`` was seen loaded from; None if never seen, or conflicted."""
+        known = self._adapter_paths.get(name)
+        return None if known is None or known.conflicted else known.path
 
     def candidates(
         self, excluded: Sequence[str] = (), model: str | None = None, adapter: str | None = None

@@ -41,18 +41,24 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
     )
 
 
-def parse_adapters(body: Any) -> dict[str, str] | None:
+def parse_adapters(body: Any) -> tuple[dict[str, str], dict[str, str]] | None:
     """The LoRA adapters a ``/v1/models`` body lists (cards with a ``parent``: SGLang,
-    vLLM), name → path (``root``, else the name); None if not a model list."""
+    vLLM): (name → path: ``root``, else the name; name → the ``parent`` when a string);
+    None if not a model list. Malformed cards are skipped; the registry bounds the rest."""
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         return None
     adapters: dict[str, str] = {}
+    parents: dict[str, str] = {}
     for card in data:
-        if isinstance(card, dict) and card.get("parent") and isinstance(card.get("id"), str):
-            root = card.get("root")
-            adapters[card["id"]] = root if isinstance(root, str) and root else card["id"]
-    return adapters
+        if not isinstance(card, dict) or not card.get("parent"):
+            continue
+        name, root, parent = card.get("id"), card.get("root"), card.get("parent")
+        if isinstance(name, str) and name:
+            adapters[name] = root if isinstance(root, str) and root else name
+            if isinstance(parent, str):
+                parents[name] = parent
+    return adapters, parents
 
 
 def _num(entry: Mapping[str, Any], key: str) -> float:
