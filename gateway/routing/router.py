@@ -194,10 +194,13 @@ class Router:
                     break
                 lora_path = None
                 if adapter is not None:
-                    status = 404
-                    workers, lora_path = lora_candidates(
-                        workers, adapter, self._lora, self.registry
-                    )
+                    try:
+                        workers, lora_path = lora_candidates(
+                            workers, adapter, self._lora, self.registry
+                        )
+                    except GatewayError as exc:  # unknown adapter, loads rate-limited
+                        status = exc.status
+                        raise
                 choice = self.core.choose(req, workers, self.registry.clock(), call.exact)
                 worker = choice.worker
                 record = DecisionRecord.from_decision(

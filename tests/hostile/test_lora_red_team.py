@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import ClientSession, ClientTimeout, web
 
@@ -227,7 +228,13 @@ async def test_loads_are_rate_bounded() -> None:
     ) as gw:
         worker.loads.clear()
         results = [await post(gw, chat(f"m:a{i}")) for i in range(2, 6)]
+        async with aiohttp.ClientSession() as s, s.get(f"{gw.url}/metrics") as resp:
+            metrics = await resp.text()
     assert [r[0] for r in results] == [200, 200, 503, 503]
+    # counted as the 503s the client got (the metrics said 404 before)
+    limited_lines = [m for m in metrics.splitlines() if m.startswith("gateway_requests_total")]
+    assert any('status="503"' in m and m.endswith(" 2.0") for m in limited_lines), limited_lines
+    assert not any('status="404"' in m for m in limited_lines)
     limited = results[2]
     assert limited[1]["error"]["code"] == "lora_load_rate_limited"
     assert "Retry-After" in limited[2]
