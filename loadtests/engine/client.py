@@ -128,3 +128,40 @@ async def run_clients(
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return [r for r in results if r is not None]
+
+
+async def run_chains(
+    session: aiohttp.ClientSession,
+    jobs: Sequence[tuple[str, dict[str, Any]]],
+    chains: Sequence[int],
+    concurrency: int,
+    timeout_s: float = 120.0,
+) -> list[ChatResult]:
+    """As :func:`run_clients`, but jobs of one chain (``chains[i]``) go in order and never
+    two at once: a free client takes the first pending job whose chain has none in
+    flight, else waits for one to end. Results come back in job order."""
+    results: list[ChatResult | None] = [None] * len(jobs)
+    pending = list(range(len(jobs)))
+    busy: set[int] = set()
+    changed = asyncio.Condition()
+
+    async def client() -> None:
+        while True:
+            async with changed:
+                while True:
+                    if not pending:
+                        return
+                    pick = next((i for i in pending if chains[i] not in busy), None)
+                    if pick is not None:
+                        break
+                    await changed.wait()
+                pending.remove(pick)
+                busy.add(chains[pick])
+            url, body = jobs[pick]
+            results[pick] = await stream_chat(session, url, body, timeout_s)
+            async with changed:
+                busy.discard(chains[pick])
+                changed.notify_all()
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return [r for r in results if r is not None]

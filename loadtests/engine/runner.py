@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from loadtests.engine.client import ChatResult, engine_session, run_clients
+from loadtests.engine.client import ChatResult, engine_session, run_chains, run_clients
 from loadtests.engine.probe import CacheTotals, cache_delta, read_fleet
 from loadtests.engine.workload import PrefixRequest
 from loadtests.harness.stats import percentile
@@ -73,12 +73,17 @@ async def run_workload_totals(
 ) -> tuple[list[ChatResult], CacheTotals | None, float]:
     """As :func:`run_workload`, returning the engines' counter deltas (None without
     ``engine_counters``). ``settle_s``: wait this long after the last response before
-    the second reading (SGLang updates some counters just after a stream ends)."""
+    the second reading (SGLang updates some counters just after a stream ends).
+    Requests of one ``chain`` go in order, never two at once (``client.run_chains``)."""
     async with engine_session() as session:
         before = await read_fleet(session, urls) if engine_counters else []
         start = time.perf_counter()
         jobs = [(route(r), r.body) for r in requests]
-        results = await run_clients(session, jobs, concurrency)
+        if any(r.chain is not None for r in requests):
+            chains = [-1 - r.index if r.chain is None else r.chain for r in requests]
+            results = await run_chains(session, jobs, chains, concurrency)
+        else:
+            results = await run_clients(session, jobs, concurrency)
         wall = time.perf_counter() - start
         if not engine_counters:
             return results, None, wall
