@@ -96,6 +96,12 @@ class LoraAdapters:
         self._used: dict[str, int] = {}  # name → tick of its last use (LRU)
         self._known: dict[str, LoraRef] = {}  # ever loaded (SGLang's lora_ref_cache)
         self._tick = 0
+        # the simulator's own counters (no SGLang equivalent), in /server_info: adapters
+        # loaded (explicitly or by an implicit reload), of those implicit reloads, and
+        # adapters unloaded to respect max_loaded_loras
+        self.loads = 0
+        self.reloads = 0
+        self.evictions = 0
         if enabled:
             for ref in initial:
                 self._register(ref)
@@ -144,6 +150,8 @@ class LoraAdapters:
             lru = min(victims, key=lambda n: self._used.get(n, 0))
             del self._loaded[lru]
             evicted.append(lru)
+        self.loads += 1
+        self.evictions += len(evicted)
         result = self._result(True)
         result.evicted = evicted
         return result
@@ -188,4 +196,5 @@ class LoraAdapters:
                     f"All loaded adapters: {_keys(self._known)}."
                 )
             reload.append(known)
+        self.reloads += len(reload)
         return reload

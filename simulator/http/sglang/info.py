@@ -148,6 +148,11 @@ class InfoRoutes(SGLangCore):
                     "reason": "Hierarchical cache is disabled",
                 },
                 "internal_states": [internal],
+                "sim_lora_counters": {
+                    "loads": self.loras.loads,
+                    "reloads": self.loras.reloads,
+                    "evictions": self.loras.evictions,
+                },
                 "version": SGLANG_VERSION,
                 "frontend": "python",
                 "launch_command": " ".join(shlex.quote(a) for a in sys.argv),
