@@ -87,6 +87,7 @@ class WorkloadRequest:
     trace: TracePrompt | None = None  # set for trace workloads instead of ``messages``
     session_id: str | None = None  # conversation / user, the routing key if any
     group: str | None = None  # shared-prefix group or tenant, for reporting
+    adapter: str | None = None  # a LoRA adapter's name: the body's model is "model:adapter"
 
     def __post_init__(self) -> None:
         if (self.trace is None) == (not self.messages):
@@ -102,10 +103,11 @@ class WorkloadRequest:
         """The OpenAI chat-completions body a live client sends for this request.
 
         ``ignore_eos`` (an SGLang extension) makes the worker produce exactly
-        ``max_tokens`` tokens, so output lengths follow the workload.
+        ``max_tokens`` tokens, so output lengths follow the workload. A request with an
+        ``adapter`` names it SGLang's OpenAI way, ``model: "model:adapter"``.
         """
         body: dict[str, Any] = {
-            "model": model,
+            "model": model if self.adapter is None else f"{model}:{self.adapter}",
             "messages": self.chat_messages(),
             "max_tokens": self.max_tokens,
             "stream": stream,

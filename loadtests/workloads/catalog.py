@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from loadtests.workloads.base import Workload
+from loadtests.workloads.lora import lora_tenants
 from loadtests.workloads.multi_tenant import llmd_tenants, multi_tenant
 from loadtests.workloads.multi_turn import multi_turn
 from loadtests.workloads.shared_prefix import generated_shared_prefix
@@ -45,6 +46,7 @@ WORKLOADS: Mapping[str, WorkloadFactory] = MappingProxyType(
         "multi-turn": multi_turn,
         "multi-tenant": multi_tenant,
         "tenants": llmd_tenants,
+        "lora-tenants": lora_tenants,
         "mooncake": mooncake_trace,
         "mooncake-conversation": mooncake_trace,
         "mooncake-synthetic": _mooncake_synthetic,
