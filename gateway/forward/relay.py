@@ -27,8 +27,10 @@ Contract:
 - Client disconnect (write fails, or the handler is cancelled), or a client that takes
   no byte of a write for the pool's ``client_write_timeout_s``: the upstream connection is
   closed and ``/abort_request`` is sent to the worker in the background; the caller's
-  lease is released by the caller's ``finally``. A stream cut by its deadline while the
-  client, not the worker, held it back is not the worker's failure
+  lease is released by the caller's ``finally``. Once the client has ``[DONE]``, its
+  leaving (many clients close at once) is no disconnect: the request is complete, its
+  usage learnt; only the rest of the worker's body is dropped. A stream cut by its
+  deadline while the client, not the worker, held it back is not the worker's failure
   (``Outcome.failed_mid_stream`` stays false).
 - Response headers: hop-by-hop ones and every name the worker's ``Connection`` lists are
   dropped, as are ``Date``/``Server`` (aiohttp sets its own).
@@ -285,6 +287,7 @@ async def _relay_sse(
     watch = _WriteWatch(request, limits.client_stall_s)
     loop = asyncio.get_running_loop()
     last_usage = last_prompt = b""
+    delivered = False  # the client has [DONE]: from then on its leaving loses it nothing
     try:
         try:
             while chunk:
@@ -295,12 +298,21 @@ async def _relay_sse(
                     if b'"prompt_tokens"' in events:
                         last_prompt = events
                     await _write(response, events, watch, loop)
+                    delivered = framer.done
                 chunk = await upstream.readany()
             events = framer.end()  # the body ended cleanly: a last unterminated event
             if events:
                 await _write(response, events, watch, loop)
+                delivered = framer.done
             if not framer.done:
                 raise UpstreamError("dropped", "the stream ended without [DONE]")
+        except (asyncio.CancelledError, ClientGone):
+            if not delivered:
+                raise
+            # a client that closes as soon as it read [DONE] (many do) cancels this
+            # handler while the worker's body ends: the request is complete, learn from it
+            _uncancel()
+            upstream.close()
         except (UpstreamError, aiohttp.ClientConnectionError, OSError, TimeoutError) as exc:
             if not framer.done:
                 outcome.failed_mid_stream = not _client_held(upstream, exc)
@@ -321,8 +333,21 @@ async def _relay_sse(
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
     outcome.prompt_tokens = prompt_tokens(last_prompt) if last_prompt else None
     outcome.output_tokens = output_tokens(last_prompt) if last_prompt else None
-    await _client_write(response, response.write_eof())
+    try:
+        await _client_write(response, response.write_eof())
+    except (asyncio.CancelledError, ClientGone):
+        if not delivered:
+            raise
+        _uncancel()  # the client had [DONE]: closing now, it lost nothing
     return response, outcome
+
+
+def _uncancel() -> None:
+    """Take back a cancellation of the current task, if any (the client left after
+    [DONE]): the handler goes on to record a complete request instead of a 499."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        task.uncancel()
 
 
 async def _write(

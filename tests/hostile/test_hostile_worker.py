@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import ClientSession, ClientTimeout
 from scripted_worker import (
@@ -21,6 +22,7 @@ from scripted_worker import (
     replies,
 )
 
+from gateway.http import app_keys
 from loadtests.harness.inprocess import GatewayHandle, run_gateway
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -373,3 +375,54 @@ async def test_gzipped_event_stream_is_refused(scripted: StartWorker) -> None:
     async with gateway([worker], retry__max_retries=0) as gw:
         status, _ = await post(gw, STREAM)
     assert status == 502
+
+
+# --- a client that leaves as soon as it has [DONE] ---------------------------------------
+
+
+async def test_a_client_leaving_right_after_done_is_a_complete_request(
+    scripted: StartWorker,
+) -> None:
+    """Clients close as soon as they read ``[DONE]`` (the real-SGLang bench's did). The
+    worker here ends its body 0.3 s after ``[DONE]``, so the gateway finishes the stream
+    after the client left: that is a complete 200 with its usage learnt (before: a 499,
+    its cached tokens lost to routing)."""
+    usage = (
+        b'data: {"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":1,'
+        b'"prompt_tokens_details":{"cached_tokens":32}}}\n\n'
+    )
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    body = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n' + usage + DONE
+
+    async def late_end(exchange: Exchange, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(head + b"%x\r\n%s\r\n" % (len(body), body))
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    worker = await scripted(late_end)
+    async with gateway([worker]) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":")[-1]))
+        request = orjson.dumps(STREAM)
+        writer.write(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (API.encode(), len(request), request)
+        )
+        await writer.drain()
+        got = b""
+        while b"data: [DONE]" not in got:
+            got += await asyncio.wait_for(reader.read(65536), 5)
+        writer.transport.abort()  # gone, with a reset, the moment [DONE] arrived
+        for _ in range(100):
+            decisions = list(gw.app[app_keys.DECISIONS].latest(1))
+            if decisions and decisions[0].outcome is not None:
+                break
+            await asyncio.sleep(0.02)
+        outcome = decisions[0].outcome
+        assert outcome is not None
+        assert outcome.status == 200 and outcome.reported_cached_tokens == 32
+        assert unpenalised(gw) and not worker.aborts
