@@ -94,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers): token ids, cached prefixes and KV events as SGLang with that model "
         "(default: the arithmetic pseudo-English tokenizer)",
     )
-    add("--chat-template", default=None, metavar="FILE", help="override its chat template")
+    add(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="override its chat template (a .jinja file, read as SGLang reads --chat-template)",
+    )
     add(
         "--context-length",
         type=int,

@@ -44,7 +44,7 @@ class HFWorkerTokenizer:
             raise ValueError(f"--tokenizer-path {path}: no tokenizer.json there")
         tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         if chat_template is not None:
-            tok.chat_template = Path(chat_template).read_text()
+            tok.chat_template = _template_file(chat_template)
         if not tok.chat_template:
             raise ValueError(f"--tokenizer-path {path}: the tokenizer has no chat template")
         self._tok = tok
@@ -117,14 +117,9 @@ class HFWorkerTokenizer:
         given = body.get("chat_template_kwargs")
         kwargs.update(given if isinstance(given, Mapping) else {})
         prefix = None
-        last = messages[-1] if messages else None
-        if (
-            body.get("continue_final_message")
-            and isinstance(last, Mapping)
-            and last.get("role") == "assistant"
-            and isinstance(last.get("content"), str)
-        ):
-            prefix, messages = last["content"], messages[:-1]
+        last = _message(messages[-1]) if messages and isinstance(messages[-1], Mapping) else None
+        if body.get("continue_final_message") and last is not None and last["role"] == "assistant":
+            prefix, messages = last["content"], messages[:-1]  # as the template would get it
         tools = body.get("tools")
         msgs, tool_list = sglang_chat_inputs(
             messages, tools if isinstance(tools, list) else None, body.get("tool_choice")
@@ -146,6 +141,14 @@ class HFWorkerTokenizer:
         ring, size = self._ring, len(self._ring)
         start = seed % size
         return [ring[(start + i) % size] for i in range(n)]
+
+
+def _template_file(path: str) -> str:
+    """A ``--chat-template`` file as SGLang reads it: a ``.jinja`` file only, leading and
+    trailing newlines stripped, each literal ``\\n`` a newline."""
+    if Path(path).suffix != ".jinja":
+        raise ValueError(f"--chat-template {path}: SGLang reads only a .jinja file as a template")
+    return Path(path).read_text(encoding="utf-8").strip("\n").replace("\\n", "\n")
 
 
 _KEPT = ("tool_call_id", "name", "phase", "reasoning_content", "tool_calls", "tools", "prefix")
@@ -196,7 +199,7 @@ def _message(m: Mapping[str, Any]) -> dict[str, Any]:
             msg[key] = m[key]
     calls = msg.get("tool_calls")
     if isinstance(calls, list):
-        msg["tool_calls"] = [_tool_call(c, role == "assistant") for c in calls]
+        msg["tool_calls"] = [_tool_call(c, msg["role"] == "assistant") for c in calls]
     return msg
 
 
