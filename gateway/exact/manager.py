@@ -97,8 +97,6 @@ class _WorkerState:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     awaiting_since: float | None = None  # first dispatch not yet followed by an event
     degraded_until: float = 0.0  # after an unfillable gap
-    last_event_at: float | None = None
-    last_delay_s: float | None = None
     tokenizer: Tokenizer | None = None
     from_worker: bool = False  # the tokenizer is the one its /server_info names
     why: str = "waiting for its first /server_info"  # while approximate
@@ -344,9 +342,7 @@ class KVEventsManager:
         if state is None or state.desc is None:
             return
         now = self._clock()
-        state.last_event_at = now
         state.awaiting_since = None
-        state.last_delay_s = max(0.0, time.time() - ts)
         for event in events:
             stored = self.index.apply(wid, rank, event, state.desc.block_size)
             if stored:
@@ -479,25 +475,6 @@ class KVEventsManager:
         f.predicted_tokens += predicted
         f.true_predicted_tokens += min(predicted, reported)
         f.reported_tokens += reported
-
-    def describe(self) -> dict[str, Any]:
-        """For the debug API: mode, blocks, feeds and delays per worker."""
-        out: dict[str, Any] = {}
-        for wid, state in self._states.items():
-            out[wid] = {
-                "mode": self.mode(wid),
-                "reason": self.reason(wid),
-                "blocks": self.index.blocks(wid),
-                "batches": sum(f.batches for f in state.feeds),
-                "replays": sum(f.replays for f in state.feeds),
-                "restarts": sum(f.restarts for f in state.feeds),
-                "last_event_delay_s": state.last_delay_s,
-            }
-        return {
-            "workers": out,
-            "predicted_ttl_s": self.predicted.ttl_s,
-            "dropped_orphans": self.index.dropped_orphans,
-        }
 
 
 def _quoted(value: Any) -> str:
