@@ -355,11 +355,6 @@ class WorkerRegistry:
         """Where ``name`` was seen loaded from, on any worker (None: never seen)."""
         return self._adapter_paths.get(name)
 
-    def adapter_path(self, name: str) -> str | None:
-        """The path ``name`` was seen loaded from; None if never seen, or conflicted."""
-        known = self._adapter_paths.get(name)
-        return None if known is None or known.conflicted else known.path
-
     def candidates(
         self, excluded: Sequence[str] = (), model: str | None = None, adapter: str | None = None
     ) -> list[Worker]:
