@@ -86,7 +86,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
             "type": lambda v: _TRISTATE.get(v.lower(), v.lower()),
             "metavar": "auto|true|false",
             "help": "exact mode from SGLang KV events: auto follows every worker that "
-            "advertises events when a tokenizer is configured for its model (auto)",
+            "advertises events when a tokenizer is configured for its model, or its "
+            "/server_info names a local one (auto)",
         },
     ),
     "--kv-events-tokenizer": (
