@@ -17,7 +17,6 @@ Each test reproduces a confirmed problem, fixed in ``gateway/exact/``:
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -127,10 +126,8 @@ async def test_the_manager_applies_max_tokenize_bytes() -> None:
 @pytest.mark.parametrize("source", [CUBIC, EMPTY_LOOPS], ids=["cubic", "empty-range-loops"])
 def test_a_render_is_cut_at_its_budget(source: str) -> None:
     template = ChatTemplate(source, budget_s=0.05)
-    start = time.perf_counter()
-    with pytest.raises(RenderBudgetExceeded):
+    with pytest.raises(RenderBudgetExceeded):  # the cut itself: no wall-clock assertion
         template.render(_messages(400), add_generation_prompt=True)  # ~64M steps unbounded
-    assert time.perf_counter() - start < 1.0
     assert ChatTemplate(CUBIC, budget_s=0.05).render(_messages(3)) == "hi"  # small: fine
 
 
@@ -144,9 +141,17 @@ def test_a_slow_template_gets_no_exact_hit_and_no_retry(model_dir: Path) -> None
             "tools": [{"type": "function", "function": {"name": "f"}}],  # would retry
         }
     )
-    start = time.perf_counter()
+    renders = 0
+    render = tok.template.render
+
+    def counted(*args: Any, **kwargs: Any) -> str:
+        nonlocal renders
+        renders += 1
+        return render(*args, **kwargs)
+
+    tok.template.render = counted  # type: ignore[method-assign]
     assert request_tokens("chat", body, tok)[0] is None
-    assert time.perf_counter() - start < 0.5  # one budget, not two
+    assert renders == 1  # one budget, not two: no retry with bare tools
 
 
 def test_the_bounds_are_validated() -> None:
