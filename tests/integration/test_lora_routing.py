@@ -97,3 +97,18 @@ async def test_unloaded_adapter_is_loaded_first_or_refused(client: ClientSession
                 client, reject_gw.url + "/v1/chat/completions", _chat(3, "sim-model:delta")
             )
     assert status == 404 and "delta" in answer["error"]["message"]
+
+
+async def test_an_explicit_load_is_paid_once(client: ClientSession) -> None:
+    """``/load_lora_adapter`` answers once the weights are in (``lora_load_s``): a request
+    sent after it waits for no second load (it did: the load was charged twice)."""
+    config = SimConfig(speed=10.0, enable_lora=True, lora_load_s=2.0)
+    async with await SimulatedFleet.start(1, config) as fleet:
+        url = fleet.urls[0]
+        body = {"lora_name": "alpha", "lora_path": "/l/alpha"}
+        assert (await _post(client, url + "/load_lora_adapter", body))[0] == 200
+        generate = {"text": "hello there", "lora_path": "alpha",
+                    "sampling_params": {"max_new_tokens": 1}}  # fmt: skip
+        status, answer = await _post(client, url + "/generate", generate)
+        assert status == 200, answer
+        assert answer["meta_info"]["e2e_latency"] < 1.0  # modelled seconds; a load is 2.0

@@ -134,13 +134,16 @@ class SGLangCore(HttpWorker):
             raise api.wrong_type("rid", "string", rid)
         return rid
 
-    def load_adapter(self, ref: LoraRef) -> LoraUpdate:
+    def load_adapter(self, ref: LoraRef, waited: bool = False) -> LoraUpdate:
         """Register ``ref``; its requests wait ``lora_load_s`` of modelled time for the
-        weights; adapters evicted to make room leave the model."""
+        weights, unless the caller already waited that long (an explicit
+        ``/load_lora_adapter`` answers once the weights are in); adapters evicted to make
+        room leave the model."""
         result = self.loras.load(ref)
         if result.success:
             now = self.driver.now() if self._driver is not None else 0.0
-            self.engine.adapter_loading(ref.name, now + self.config.lora_load_s)
+            ready = now if waited else now + self.config.lora_load_s
+            self.engine.adapter_loading(ref.name, ready)
             for name in result.evicted:
                 self.engine.adapter_unloaded(name)
         return result

@@ -32,9 +32,10 @@ class LoraRoutes(SGLangCore):
         if not isinstance(pinned, bool):
             raise api.wrong_type("pinned", "bool", pinned)
         ref = LoraRef(name, path, pinned)
-        if self.loras.enabled and not self.loras.is_loaded(name) and self.config.lora_load_s:
+        waited = self.loras.enabled and not self.loras.is_loaded(name)
+        if waited and self.config.lora_load_s:  # the weights load before the answer
             await asyncio.sleep(self.config.lora_load_s / self.config.speed)
-        return self._lora_answer(self.load_adapter(ref))
+        return self._lora_answer(self.load_adapter(ref, waited=waited))
 
     async def _unload_lora_adapter(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await self._json_body(request)
