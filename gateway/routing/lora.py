@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import weakref
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -43,6 +43,8 @@ import orjson
 from gateway.config import LoraConfig
 from gateway.errors import GatewayError
 from gateway.workers.registry import Worker, WorkerRegistry, adapter_name_ok
+
+log = logging.getLogger(__name__)
 
 LOAD_PATH = "/load_lora_adapter"
 MAX_LOAD_ANSWER = 1 << 20  # bytes of a load's answer read; beyond, the load failed
@@ -65,9 +67,9 @@ def adapter_not_found(adapter: str, why: str = "is not loaded on any worker") ->
 
 
 @dataclass
-class _Loads:
-    """One registry's load calls: those in flight, by (worker id, adapter), and the
-    token bucket bounding how many start."""
+class AdapterLoads:
+    """The gateway's load calls: those in flight, by (worker id, adapter), and the token
+    bucket bounding how many start. One per router (it owns it)."""
 
     inflight: dict[tuple[str, str], asyncio.Task[str | None]] = field(default_factory=dict)
     tokens: float = -1.0  # -1: full (set at first use)
@@ -86,16 +88,6 @@ class _Loads:
             return False
         self.tokens -= 1.0
         return True
-
-
-_LOADS: weakref.WeakKeyDictionary[WorkerRegistry, _Loads] = weakref.WeakKeyDictionary()
-
-
-def _loads(registry: WorkerRegistry) -> _Loads:
-    loads = _LOADS.get(registry)
-    if loads is None:
-        loads = _LOADS[registry] = _Loads()
-    return loads
 
 
 @functools.lru_cache(maxsize=4)
@@ -123,7 +115,11 @@ def _source(
 
 
 def lora_candidates(
-    workers: Sequence[Worker], adapter: str, config: LoraConfig, registry: WorkerRegistry
+    workers: Sequence[Worker],
+    adapter: str,
+    config: LoraConfig,
+    registry: WorkerRegistry,
+    loads: AdapterLoads,
 ) -> tuple[list[Worker], str | None]:
     """(the candidates for a request naming ``adapter``, the path to load it from on a
     chosen worker that lacks it: None when every candidate holds it). Raises the 404, or
@@ -138,7 +134,6 @@ def lora_candidates(
     able = [w for w in workers if w.metadata.lora_enabled and (parent is None or w.serves(parent))]
     if not able:
         raise adapter_not_found(adapter)
-    loads = _loads(registry)
     loading = [w for w in able if (w.id, adapter) in loads.inflight]
     if loading:  # it will be there soon: wait for that load rather than start another
         return loading, path
@@ -160,13 +155,13 @@ async def load_adapter(
     config: LoraConfig,
     registry: WorkerRegistry,
     headers: Mapping[str, str],
+    loads: AdapterLoads,
 ) -> str | None:
     """Load the adapter ``(name, path)`` on ``worker``; None when it is there now, else
-    why not. Concurrent calls for the same worker and adapter share one load, which
-    runs to its end (``lora.load_timeout_s``) even if the request that started it is
-    cancelled."""
+    why not (in the gateway's words: what the worker said is logged, never relayed).
+    Concurrent calls for the same worker and adapter share one load, which runs to its
+    end (``lora.load_timeout_s``) even if the request that started it is cancelled."""
     key = (worker.id, adapter_path[0])
-    loads = _loads(registry)
     task = loads.inflight.get(key)
     if task is None:
         task = asyncio.ensure_future(
@@ -223,7 +218,9 @@ async def _load(
     already = isinstance(message, str) and "already loaded" in message
     if (status != 200 or fields.get("success") is False) and not already:
         shown = message[:200] if isinstance(message, str) else raw[:200]
-        return f"{LOAD_PATH} answered {status}: {shown!r}"
+        log.warning("worker %s refused to load adapter %r: %d %r", worker.id, adapter[:128],
+                    status, shown)  # fmt: skip
+        return f"{LOAD_PATH} answered {status}"
     loaded = fields.get("loaded_adapters")
     if isinstance(loaded, dict) and all(isinstance(v, str) for v in loaded.values()):
         if adapter not in loaded:

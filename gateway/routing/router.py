@@ -44,7 +44,7 @@ from gateway.forward.outbound import body_with_rid, new_rid
 from gateway.forward.upstream import UpstreamPool, UpstreamResponse
 from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
-from gateway.routing.lora import load_adapter, lora_candidates
+from gateway.routing.lora import AdapterLoads, load_adapter, lora_candidates
 from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.slot_gate import SlotGate
 from gateway.workers.kinds import kind_named
@@ -154,6 +154,7 @@ class Router:
         self._exact = exact
         self._max_attempts = 1 + config.retry.max_retries
         self._lora = config.lora
+        self._loads = AdapterLoads()  # this router's adapter loads and their rate bound
         self._abort_timeout = config.server.abort_timeout_s
         self._request_timeout = config.server.request_timeout_s
 
@@ -196,7 +197,7 @@ class Router:
                 if adapter is not None:
                     try:
                         workers, lora_path = lora_candidates(
-                            workers, adapter, self._lora, self.registry
+                            workers, adapter, self._lora, self.registry, self._loads
                         )
                     except GatewayError as exc:  # unknown adapter, loads rate-limited
                         status = exc.status
@@ -354,9 +355,10 @@ class Router:
             self._lora,
             self.registry,
             self._worker_auth,
+            self._loads,
         )
         if why is not None:
-            log.warning("worker %s: loading LoRA adapter %s: %s", worker.url, adapter, why)
+            log.warning("worker %s: loading LoRA adapter %r: %s", worker.url, adapter[:128], why)
             raise relay.AttemptFailed("lora_load", why)
 
     def _abort(self, worker: Worker, rid: str | None, upstream: UpstreamResponse | None) -> None:

@@ -26,7 +26,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 
 from gateway.config import LoraConfig
 from gateway.errors import GatewayError
-from gateway.routing.lora import lora_candidates
+from gateway.routing.lora import AdapterLoads, lora_candidates
 from gateway.routing.request import split_model
 from gateway.workers.registry import (
     MAX_ADAPTER_NAME,
@@ -368,7 +368,9 @@ def test_conflicts_stay_until_the_operator_names_a_path() -> None:
     registry.set_adapters(hostile, {"alpha": "/evil"})  # alone now: still not trusted
     registry.set_adapters(hostile, {})
     with pytest.raises(GatewayError) as caught:
-        lora_candidates([spare], "alpha", LoraConfig(), registry)
+        lora_candidates([spare], "alpha", LoraConfig(), registry, AdapterLoads())
     assert caught.value.status == 404
-    chosen, path = lora_candidates([spare], "alpha", LoraConfig(paths=("alpha=/good",)), registry)
+    chosen, path = lora_candidates(
+        [spare], "alpha", LoraConfig(paths=("alpha=/good",)), registry, AdapterLoads()
+    )
     assert chosen == [spare] and path == "/good"

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gateway.config import LoraConfig
 from gateway.errors import GatewayError
-from gateway.routing.lora import lora_candidates
+from gateway.routing.lora import AdapterLoads, lora_candidates
 from gateway.workers.registry import HealthFlag, WorkerMetadata, WorkerRegistry
 
 ADAPTERS = ["a", "b", "c", "d"]
@@ -67,7 +67,7 @@ def test_adapter_requests_land_on_workers_with_the_adapter(
     if not candidates:
         return
     try:
-        chosen, path = lora_candidates(candidates, adapter, config, registry)
+        chosen, path = lora_candidates(candidates, adapter, config, registry, AdapterLoads())
     except GatewayError as exc:
         assert exc.status == 404 and not holder_up
         return
@@ -92,5 +92,5 @@ def test_reject_answers_404_naming_the_adapter() -> None:
     registry = _registry([("llama", True, frozenset({"a"}), True)])
     workers = registry.candidates((), "llama", "b")
     with pytest.raises(GatewayError) as caught:
-        lora_candidates(workers, "b", LoraConfig(unloaded="reject"), registry)
+        lora_candidates(workers, "b", LoraConfig(unloaded="reject"), registry, AdapterLoads())
     assert caught.value.status == 404 and "`b`" in str(caught.value)
