@@ -344,7 +344,9 @@ async def _relay_sse(
 
 def _uncancel() -> None:
     """Take back a cancellation of the current task, if any (the client left after
-    [DONE]): the handler goes on to record a complete request instead of a 499."""
+    [DONE]): the handler goes on to record a complete request instead of a 499. A
+    cancellation for another reason (the gateway stopping) is taken back too: all that
+    is left to do once [DONE] went out is this request's bookkeeping, no await."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         task.uncancel()
