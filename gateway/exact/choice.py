@@ -48,11 +48,6 @@ class TokenizerChoice:
             return self.default, None
         return None, self.problems.get("", NO_TOKENIZER)
 
-    @property
-    def configured(self) -> bool:
-        """Whether any tokenizer was configured (loaded or not)."""
-        return bool(self.default or self.per_model or self.problems)
-
 
 @functools.lru_cache(maxsize=64)
 def load_cached(

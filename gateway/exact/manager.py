@@ -99,6 +99,7 @@ class _WorkerState:
     degraded_until: float = 0.0  # after an unfillable gap
     tokenizer: Tokenizer | None = None
     from_worker: bool = False  # the tokenizer is the one its /server_info names
+    named: tuple[Any, Any] | None = None  # (tokenizer_path, chat_template) it named last
     why: str = "waiting for its first /server_info"  # while approximate
     lost_at: float | None = None  # last unfillable gap
 
@@ -116,18 +117,18 @@ class Fidelity:
 class KVEventsManager:
     """Discovery, feeds, modes and exact matching for a set of workers (module docstring).
 
-    ``workers()`` lists the workers (:class:`FollowedWorker`, or ``(id, url)`` pairs for
-    SGLang workers of the default model); the manager re-reads it and ``/server_info``
-    every ``discovery_interval_s``. ``tokenizers``: one tokenizer for every model, or a
-    :class:`~gateway.exact.choice.TokenizerChoice` per model. ``allowlist``: where else
-    than a worker's own host its events may be read from (None: nowhere else).
+    ``workers()`` lists the workers (:class:`FollowedWorker`); the manager re-reads it
+    and ``/server_info`` every ``discovery_interval_s``. ``tokenizers``: one tokenizer
+    for every model, or a :class:`~gateway.exact.choice.TokenizerChoice` per model.
+    ``allowlist``: where else than a worker's own host its events may be read from
+    (None: nowhere else).
     """
 
     def __init__(
         self,
         settings: KVEventsSettings,
         tokenizers: Tokenizer | TokenizerChoice,
-        workers: Callable[[], Iterable[FollowedWorker | tuple[str, str]]],
+        workers: Callable[[], Iterable[FollowedWorker]],
         session: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
         allowlist: HostAllowList | None = None,
@@ -178,9 +179,7 @@ class KVEventsManager:
     async def discover(self) -> None:
         """Subscribe to new workers, drop removed ones, resubscribe restarted ones."""
         current: dict[str, FollowedWorker] = {}
-        listed = [
-            e if isinstance(e, FollowedWorker) else FollowedWorker(*e) for e in self._workers()
-        ]
+        listed = list(self._workers())
         for w in listed:
             tokenizer, why = self.tokenizers.for_models(w.models)
             from_worker = why == NO_TOKENIZER and self.settings.tokenizer_from_workers
@@ -216,30 +215,25 @@ class KVEventsManager:
             try:
                 await self._follow(w, state, info)
             except Exception as exc:  # a malformed /server_info: this worker only
-                await self._unsubscribe(w.id)
-                self.index.clear(w.id)
-                state.desc = state.startup = None
-                self._note(w.id, state, f"its /server_info is unusable ({type(exc).__name__})")
+                why = f"its /server_info is unusable ({type(exc).__name__})"
+                await self._stop_following(w.id, state, why)
 
     async def _follow(self, w: FollowedWorker, state: _WorkerState, info: dict[str, Any]) -> None:
         """Apply one worker's ``/server_info``: its tokenizer (if it names it), then its
         descriptor (subscribing again when it or the worker's start time changed)."""
-        if state.from_worker:
-            found = await self._worker_tokenizer(info)
+        named = (info.get("tokenizer_path"), info.get("chat_template"))
+        if state.from_worker and (state.tokenizer is None or named != state.named):
+            found = await self._worker_tokenizer(info)  # once per directory it names
+            state.named = named
             if isinstance(found, str):
-                await self._unsubscribe(w.id)
-                self.index.clear(w.id)
-                state.desc = state.startup = state.tokenizer = None
-                self._note(w.id, state, found)
+                state.tokenizer = None
+                await self._stop_following(w.id, state, found)
                 return
             state.tokenizer = found
         desc = Descriptor.parse(info.get("kv_events") or {}, w.url)
         refused = None if desc is None else await self._elsewhere(desc.host, w.url)
         if refused is not None:
-            await self._unsubscribe(w.id)
-            self.index.clear(w.id)
-            state.desc = state.startup = None
-            self._note(w.id, state, refused)
+            await self._stop_following(w.id, state, refused)
             return
         startup = info.get("startup_time")
         if desc == state.desc and startup == state.startup:
@@ -255,6 +249,14 @@ class KVEventsManager:
             )  # fmt: skip
         else:
             self._note(w.id, state, "its /server_info advertises no kv_events")
+
+    async def _stop_following(self, wid: str, state: _WorkerState, why: str) -> None:
+        """No more events from this worker (for now): feeds closed, its blocks forgotten,
+        ``why`` its reason."""
+        await self._unsubscribe(wid)
+        self.index.clear(wid)
+        state.desc = state.startup = None
+        self._note(wid, state, why)
 
     async def _elsewhere(self, host: str, worker_url: str) -> str | None:
         """None if the gateway may connect to ``host`` for this worker's events (its own

@@ -76,13 +76,7 @@ class HFWorkerTokenizer:
         **template_kwargs: Any,
     ) -> str:
         msgs, tool_list = sglang_chat_inputs(messages, tools)
-        text: str = self._tok.apply_chat_template(
-            msgs,
-            tools=tool_list,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **template_kwargs,
-        )
+        text: str = self._render(msgs, tool_list, add_generation_prompt, False, template_kwargs)
         return text
 
     def encode_chat(
@@ -93,15 +87,24 @@ class HFWorkerTokenizer:
         **template_kwargs: Any,
     ) -> list[int]:
         msgs, tool_list = sglang_chat_inputs(messages, tools)
-        ids = self._tok.apply_chat_template(
-            msgs,
-            tools=tool_list,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-            **template_kwargs,
-        )
+        ids = self._render(msgs, tool_list, add_generation_prompt, True, template_kwargs)
         return [int(i) for i in ids]
+
+    def _render(
+        self,
+        msgs: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        tokenize: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> Any:
+        """transformers' ``apply_chat_template`` as SGLang calls it: the text, or (with
+        ``tokenize``) the ids without special tokens added."""
+        extra = {"return_dict": False} if tokenize else {}
+        return self._tok.apply_chat_template(
+            msgs, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+            **extra, **template_kwargs,
+        )  # fmt: skip
 
     def encode_chat_request(self, body: Mapping[str, Any]) -> list[int]:
         """A chat request's prompt as SGLang's chat handler builds it: the messages and
@@ -124,11 +127,7 @@ class HFWorkerTokenizer:
         msgs, tool_list = sglang_chat_inputs(
             messages, tools if isinstance(tools, list) else None, body.get("tool_choice")
         )
-        ids = self._tok.apply_chat_template(
-            msgs, tools=tool_list, add_generation_prompt=True, tokenize=True,
-            return_dict=False, **kwargs,
-        )  # fmt: skip
-        ids = [int(i) for i in ids]
+        ids = [int(i) for i in self._render(msgs, tool_list, True, True, kwargs)]
         if prefix:
             more = self._tok.encode(prefix)
             if more and more[0] == self._tok.bos_token_id:

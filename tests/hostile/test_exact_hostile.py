@@ -31,7 +31,12 @@ from gateway.config import ConfigError, KVEventsConfig, config_from_dict
 from gateway.exact.chat_template import ChatTemplate, RenderBudgetExceeded
 from gateway.exact.choice import TokenizerChoice
 from gateway.exact.index import Namespace
-from gateway.exact.manager import MAX_QUOTED, KVEventsManager, _named_tokenizer
+from gateway.exact.manager import (
+    MAX_QUOTED,
+    FollowedWorker,
+    KVEventsManager,
+    _named_tokenizer,
+)
 from gateway.exact.request import ExactRequest, request_tokens
 from gateway.exact.tokenizer import HFTokenizer, Tokenizer
 
@@ -214,7 +219,7 @@ async def test_one_hostile_server_info_never_stops_discovery(
         port={"tokenizer_path": str(model_dir), "kv_events": {**good, "endpoint_port_base": "x"}},
         good={"tokenizer_path": str(model_dir), "kv_events": good},
     )
-    workers = [(w, str(server.make_url(f"/{w}"))) for w in infos]
+    workers = [FollowedWorker(w, str(server.make_url(f"/{w}"))) for w in infos]
     async with aiohttp.ClientSession() as session:
         mgr = KVEventsManager(KVEventsConfig(), TokenizerChoice(), lambda: workers, session)
         try:

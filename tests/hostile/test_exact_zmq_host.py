@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 
 from gateway.config import KVEventsConfig
 from gateway.config.allowlist import DEFAULT_ALLOWED, HostAllowList
-from gateway.exact.manager import KVEventsManager
+from gateway.exact.manager import FollowedWorker, KVEventsManager
 from gateway.exact.wire import Descriptor, same_host
 from simulator.model.tokenizer import default_tokenizer
 
@@ -76,7 +76,7 @@ async def _discover(
 ) -> tuple[dict[str, tuple[str, str]], int]:
     """Each worker's (mode, reason) after one discovery, and the feeds opened."""
     async with aiohttp.ClientSession() as session:
-        workers = [(w, str(server.make_url(f"/{w}"))) for w in _INFOS]
+        workers = [FollowedWorker(w, str(server.make_url(f"/{w}"))) for w in _INFOS]
         mgr = KVEventsManager(
             KVEventsConfig(replay_timeout_s=0.05),
             default_tokenizer(),
@@ -137,7 +137,8 @@ async def test_a_descriptor_that_moves_elsewhere_is_dropped(
     infos["w"] = {"kv_events": _kv("*")}
     url = str(server.make_url("/w"))
     async with aiohttp.ClientSession() as session:
-        mgr = KVEventsManager(KVEventsConfig(), default_tokenizer(), lambda: [("w", url)], session)
+        workers = [FollowedWorker("w", url)]
+        mgr = KVEventsManager(KVEventsConfig(), default_tokenizer(), lambda: workers, session)
         try:
             await mgr.discover()
             assert mgr.mode("w") == "exact"

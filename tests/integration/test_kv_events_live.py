@@ -15,7 +15,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.exact.manager import MODE_DEGRADED, MODE_EXACT, KVEventsManager, KVEventsSettings
+from gateway.exact.manager import (
+    MODE_DEGRADED,
+    MODE_EXACT,
+    FollowedWorker,
+    KVEventsManager,
+    KVEventsSettings,
+)
 from gateway.exact.tokenizer import Tokenizer, load_tokenizer
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import ApiKind, RequestSettings, parse_request
@@ -93,7 +99,7 @@ async def _manager(
     fleet: SimulatedFleet, session: aiohttp.ClientSession, **overrides: Any
 ) -> KVEventsManager:
     settings = KVEventsSettings(enabled=True, discovery_interval_s=0.1, **overrides)
-    workers = [(f"w{i}", url) for i, url in enumerate(fleet.urls)]
+    workers = [FollowedWorker(f"w{i}", url) for i, url in enumerate(fleet.urls)]
     mgr = KVEventsManager(settings, load_tokenizer(SIM_TOKENIZER), lambda: workers, session)
     await mgr.start()
     return mgr
