@@ -18,10 +18,13 @@ Contract:
     CRLF, CR or LF line ends; a last event without its blank line) are written as they
     complete (``readany`` → ``write``, which awaits the transport's drain: back-pressure).
     The stream succeeded when an event's data was ``[DONE]``; a failure before it is
-    followed by exactly one SGLang error event and ``data: [DONE]``; a failure after it
-    ends the stream quietly. An event larger than the pool's ``max_event_bytes`` ends the
-    stream with a 502 error event, nothing of it held beyond the bound. An encoded stream
-    (``Content-Encoding``) cannot be cut into events: ``AttemptFailed("connect")``.
+    followed by exactly one SGLang error event and ``data: [DONE]``. Nothing after
+    ``[DONE]`` is relayed: the rest of the worker's body is read and dropped, at most
+    64 KiB within 1 s (then the connection is reused), else the connection is closed,
+    a failure there ending the stream quietly. An event larger than the pool's
+    ``max_event_bytes`` ends the stream with a 502 error event, nothing of it held beyond
+    the bound. An encoded stream (``Content-Encoding``) cannot be cut into events:
+    ``AttemptFailed("connect")``.
   * Anything else is read whole (at most the pool's ``max_body_bytes``: beyond, the
     attempt failed, ``dropped``) and relayed as is (status, body, content type).
 - Client disconnect (write fails, or the handler is cancelled), or a client that takes
@@ -57,7 +60,7 @@ from gateway.forward.outbound import (
     forwarded_headers,
     upstream_target,
 )
-from gateway.forward.sse import EventFramer, EventTooLarge
+from gateway.forward.sse import EventFramer, EventTooLarge, parse
 from gateway.forward.upstream import FirstByteTimeout, UpstreamError, UpstreamPool, UpstreamResponse
 
 __all__ = ["HOP_BY_HOP", "AttemptFailed", "ClientGone", "Outcome"]
@@ -70,6 +73,10 @@ _CACHED_MARKS = (b'"cached_tokens"', b'"cache_n"')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _OUTPUT = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _BAD_VALUE = re.compile(r"[\r\n\x00]")
+_DONE = b"[DONE]"
+# after [DONE], how much more of the worker's body is read (and dropped), and for how long
+_AFTER_DONE_BYTES = 64 * 1024
+_AFTER_DONE_S = 1.0
 
 
 class AttemptFailed(Exception):
@@ -293,19 +300,25 @@ async def _relay_sse(
             while chunk:
                 events = framer.feed(chunk)
                 if events:
+                    if framer.done:  # nothing the worker sends after [DONE] is relayed
+                        events = _through_done(events)
                     if any(mark in events for mark in _CACHED_MARKS):
                         last_usage = events
                     if b'"prompt_tokens"' in events:
                         last_prompt = events
                     await _write(response, events, watch, loop)
                     delivered = framer.done
+                    if delivered:
+                        await _drop_rest(upstream)
+                        break
                 chunk = await upstream.readany()
-            events = framer.end()  # the body ended cleanly: a last unterminated event
-            if events:
-                await _write(response, events, watch, loop)
-                delivered = framer.done
-            if not framer.done:
-                raise UpstreamError("dropped", "the stream ended without [DONE]")
+            else:
+                events = framer.end()  # the body ended cleanly: a last unterminated event
+                if events:
+                    await _write(response, events, watch, loop)
+                    delivered = framer.done
+                if not framer.done:
+                    raise UpstreamError("dropped", "the stream ended without [DONE]")
         except (asyncio.CancelledError, ClientGone):
             if not delivered:
                 raise
@@ -340,6 +353,31 @@ async def _relay_sse(
             raise
         _uncancel()  # the client had [DONE]: closing now, it lost nothing
     return response, outcome
+
+
+def _through_done(events: bytes) -> bytes:
+    """``events`` (whole, LF-normalised) up to and including the first ``[DONE]`` one."""
+    end = 0
+    for part in events.split(b"\n\n"):
+        end += len(part) + 2
+        if _DONE in part and any(e.data == "[DONE]" for e in parse(part + b"\n\n")):
+            return events[:end]
+    return events
+
+
+async def _drop_rest(upstream: UpstreamResponse) -> None:
+    """After ``[DONE]``: the rest of the worker's body is read and dropped, at most
+    ``_AFTER_DONE_BYTES`` of it within ``_AFTER_DONE_S`` (SGLang ends its body at once, and
+    the connection is reused); a worker that goes on, or stays silent, is cut there,
+    rather than hold the request (its lease, the client's response) until the deadline."""
+    left = _AFTER_DONE_BYTES
+    try:
+        async with asyncio.timeout(_AFTER_DONE_S):
+            while left > 0 and (data := await upstream.readany()):
+                left -= len(data)
+    except (UpstreamError, TimeoutError):
+        pass
+    upstream.close()  # nothing to drop if the body ended (the connection is pooled)
 
 
 def _uncancel() -> None:
