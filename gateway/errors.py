@@ -9,6 +9,7 @@ one line per error with the request id.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import orjson
@@ -118,3 +119,18 @@ def stream_error_event(status: int, message: str, err_type: str | None = None) -
         }
     }
     return b"data: " + orjson.dumps(payload) + b"\n\ndata: [DONE]\n\n"
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters and line separators escaped (``\\x0a``,
+    ``\\u2028``): what a client or a worker sent, quoted back or logged, stays one line
+    (a CR or LF would forge a log line of its own)."""
+    return _UNPRINTABLE.sub(_escaped, text)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"

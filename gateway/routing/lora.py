@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -42,7 +41,7 @@ import aiohttp
 import orjson
 
 from gateway.config import LoraConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, one_line
 from gateway.workers.registry import Worker, WorkerRegistry, adapter_name_ok
 
 log = logging.getLogger(__name__)
@@ -50,19 +49,13 @@ log = logging.getLogger(__name__)
 LOAD_PATH = "/load_lora_adapter"
 MAX_LOAD_ANSWER = 1 << 20  # bytes of a load's answer read; beyond, the load failed
 _SHOWN = 128  # characters of a client-named adapter quoted back in an error
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def _shown(adapter: str) -> str:
     """A client-named adapter as quoted back (and so logged): cut, its control characters
     and line separators escaped (a CR or LF would forge a log line)."""
     cut = adapter if len(adapter) <= _SHOWN else adapter[:_SHOWN] + "…"
-    return _UNPRINTABLE.sub(_escaped, cut)
-
-
-def _escaped(match: re.Match[str]) -> str:
-    code = ord(match[0])
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return one_line(cut)
 
 
 def adapter_not_found(adapter: str, why: str = "is not loaded on any worker") -> GatewayError:

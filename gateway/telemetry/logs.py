@@ -20,6 +20,8 @@ from typing import IO, Any
 
 import orjson
 
+from gateway.errors import one_line
+
 # A context variable is per-task storage, not shared mutable state.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "gateway_request_id", default=None
@@ -92,11 +94,16 @@ class PlainFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__(PLAIN_FORMAT)
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # one record, one line: a CR or LF from a client (a path, a model name) or a
+        # worker would forge a line of its own; a traceback is appended after this
+        return one_line(super().formatMessage(record))
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         extras = _extras(record)
         if extras:
-            line += " " + " ".join(f"{k}={v}" for k, v in extras.items())
+            line += " " + " ".join(f"{k}={one_line(str(v))}" for k, v in extras.items())
         return line
 
 

@@ -139,3 +139,24 @@ def test_plain_format_carries_request_id() -> None:
         logging.getLogger().removeHandler(handler)
         handler.close()
     assert "[plain-1] worker w1 ejected" in buf.getvalue()
+
+
+def test_a_plain_line_cannot_be_forged() -> None:
+    """What a client sends (a percent-decoded path, a model name) lands in log messages:
+    in the plain format a CR, LF, NUL or line separator in it is escaped, so one record
+    stays one line; a traceback still follows on lines of its own."""
+    buf = io.StringIO()
+    setup_logging("INFO", json=False, stream=buf)
+    log = logging.getLogger("gateway.test")
+    log.info("no route for %s", "/v1/x\r\n2026-01-01 INFO forged\x00 \u2028 é", extra={"k": "a\nb"})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed")
+    text = buf.getvalue().splitlines()
+    assert not any(line.startswith("2026-01-01") for line in text)  # nothing forged
+    assert text[0].endswith(
+        "no route for /v1/x\\x0d\\x0a2026-01-01 INFO forged\\x00 \\u2028 é k=a\\x0ab"
+    )
+    assert text[1].endswith("failed") and text[2] == "Traceback (most recent call last):"
+    assert text[-1] == "ValueError: boom"
