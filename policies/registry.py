@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from policies.aibrix_prefix import AibrixPrefixPolicy
 from policies.base import Policy
 from policies.cache_aware import CacheAwarePolicy
 from policies.consistent_hash import ConsistentHashPolicy
+from policies.dynamo_kv import DynamoKvPolicy
 from policies.least_load import LeastLoadPolicy
+from policies.llmd_scorers import LlmdScorersPolicy
 from policies.min_ttft import MinTtftPolicy
+from policies.preble_e2 import PrebleE2Policy
 from policies.random import RandomPolicy
 from policies.round_robin import RoundRobinPolicy
 
@@ -23,6 +27,11 @@ POLICIES: dict[str, type[Policy]] = {
         CacheAwarePolicy,
         ConsistentHashPolicy,
         MinTtftPolicy,
+        # the peers' rules (docstrings cite each source), selectable for comparison
+        DynamoKvPolicy,
+        LlmdScorersPolicy,
+        PrebleE2Policy,
+        AibrixPrefixPolicy,
     )
 }
 

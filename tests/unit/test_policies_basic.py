@@ -39,7 +39,8 @@ def test_unknown_policy_named() -> None:
 def test_registry_lists_every_policy_and_the_default() -> None:
     from policies.registry import DEFAULT_POLICY, policy_names
 
-    expected = {"round_robin", "random", "least_load", "cache_aware", "consistent_hash", "min_ttft"}
+    expected = {"round_robin", "random", "least_load", "cache_aware", "consistent_hash", "min_ttft",
+                "dynamo_kv", "llmd_scorers", "preble_e2", "aibrix_prefix"}  # fmt: skip
     assert set(policy_names()) == expected
     assert DEFAULT_POLICY == "min_ttft"
 
