@@ -3,9 +3,12 @@
 
 Token ids are the simulator's own: ``simulator.model.tokenizer`` and its ChatML template, as
 the HTTP simulator tokenizes a chat request. They are assembled per message (template
-header, then content + end marker), memoised per content string; the template is
-append-only, so the concatenation equals ``encode_chat(messages)`` — checked on the
-first request of each kind, with ``encode_chat`` used instead if it ever differs.
+header, then content + end marker), memoised per content string; a request's ``tools``
+(rendered into the system message) and an assistant's tool calls (rendered after its
+content) are rendered by the simulator's template one message at a time, memoised per
+rendering. The template is append-only, so the concatenation equals
+``encode_chat(messages, tools)`` — checked on the first request of each kind, with
+``encode_chat`` used instead if it ever differs.
 
 Trace prompts are assembled per block: each pseudo-text piece is one simulator token, so
 a block's ids are a table look-up of its piece ids (``loadtests.workloads.text``); the
@@ -79,10 +82,14 @@ class PromptBuilder:
             return self._prepare_trace(req, req.trace)
         tokens = self._chat_tokens(req)
         if self._fast_chat is None:
-            self._fast_chat = tokens == self.tok.encode_chat(req.chat_messages())
+            self._fast_chat = tokens == self._slow_chat(req)
         if not self._fast_chat:
-            tokens = self.tok.encode_chat(req.chat_messages())
+            tokens = self._slow_chat(req)
         return Prepared(parse_body(req, self.settings, self.model), encode_tokens(tokens))
+
+    def _slow_chat(self, req: WorkloadRequest) -> list[int]:
+        """The worker's own tokenization of the request (messages and tools)."""
+        return self.tok.encode_chat(req.chat_messages(), req.tool_dicts())
 
     def _prepare_trace(self, req: WorkloadRequest, trace: TracePrompt) -> Prepared:
         if self._fast_trace is None:
@@ -91,7 +98,7 @@ class PromptBuilder:
             self._fast_trace = self._hasher.check(req) and encode_tokens(slow) == fast
         if not self._fast_trace:
             route = parse_body(req, self.settings, self.model)
-            return Prepared(route, encode_tokens(self.tok.encode_chat(req.chat_messages())))
+            return Prepared(route, encode_tokens(self._slow_chat(req)))
         route = self._hasher.route_request(req)
         return Prepared(route, self._trace_key(trace))
 
@@ -116,10 +123,35 @@ class PromptBuilder:
             self._memo[key] = hit
         return hit
 
+    def _rendered(self, role: str, text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A message the worker's template rendered as ``text`` (tools in the system
+        message, tool calls after the content): its header and its body, memoised."""
+        key = (f"{role}\x00rendered", text)
+        hit = self._memo.get(key)
+        if hit is None:
+            head = f"<|im_start|>{role}\n"
+            body = text[len(head) :] if text.startswith(head) else text
+            hit = (tuple(self.tok.encode(head)), tuple(self.tok.encode(body)))
+            if len(self._memo) >= _MEMO_LIMIT:
+                self._memo.pop(next(iter(self._memo)))
+            self._memo[key] = hit
+        return hit
+
     def _segments(self, req: WorkloadRequest) -> list[tuple[int, ...]]:
         segments: list[tuple[int, ...]] = []
-        for m in req.messages:
-            segments.extend(self._message(m.role, m.content))
+        messages = req.messages
+        tools = req.tool_dicts()
+        if tools:  # the template puts the tools in the (first) system message
+            first = [messages[0].as_dict()] if messages[0].role == "system" else []
+            text = self.tok.apply_chat_template(first, tools, add_generation_prompt=False)
+            segments.extend(self._rendered("system", text))
+            messages = messages[len(first) :]
+        for m in messages:
+            if m.tool_calls:
+                text = self.tok.apply_chat_template([m.as_dict()], add_generation_prompt=False)
+                segments.extend(self._rendered(m.role, text))
+            else:
+                segments.extend(self._message(m.role, m.content))
         segments.append(tuple(self._gen))
         return segments
 

@@ -26,14 +26,52 @@ TRACE_BLOCK_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call of an assistant message (an OpenAI ``tool_calls`` entry)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI clients send it
+
+    def as_dict(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """One function offered to the model (an OpenAI ``tools`` entry): string parameters,
+    each with a description, all required."""
+
+    name: str
+    description: str
+    parameters: tuple[tuple[str, str], ...] = ()  # (name, description)
+
+    def as_dict(self) -> dict[str, Any]:
+        properties = {p: {"type": "string", "description": d} for p, d in self.parameters}
+        schema = {"type": "object", "properties": properties,
+                  "required": [p for p, _ in self.parameters]}  # fmt: skip
+        function = {"name": self.name, "description": self.description, "parameters": schema}
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One OpenAI chat message."""
+    """One OpenAI chat message; an assistant's may carry tool calls, a ``tool`` message
+    answers the call named by ``tool_call_id``."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,16 +126,21 @@ class WorkloadRequest:
     session_id: str | None = None  # conversation / user, the routing key if any
     group: str | None = None  # shared-prefix group or tenant, for reporting
     adapter: str | None = None  # a LoRA adapter's name: the body's model is "model:adapter"
+    tools: tuple[ToolSpec, ...] = ()  # functions offered to the model (the body's ``tools``)
 
     def __post_init__(self) -> None:
         if (self.trace is None) == (not self.messages):
             raise ValueError("exactly one of messages and trace must be given")
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         """The OpenAI ``messages`` list (trace prompts become one user message)."""
         if self.trace is not None:
             return [{"role": "user", "content": self.trace.text()}]
         return [m.as_dict() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The OpenAI ``tools`` list, or None when the request offers none."""
+        return [t.as_dict() for t in self.tools] if self.tools else None
 
     def body(self, model: str = DEFAULT_MODEL, stream: bool = True) -> dict[str, Any]:
         """The OpenAI chat-completions body a live client sends for this request.
@@ -113,6 +156,8 @@ class WorkloadRequest:
             "stream": stream,
             "ignore_eos": True,
         }
+        if self.tools:
+            body["tools"] = self.tool_dicts()
         if stream:
             body["stream_options"] = {"include_usage": True}
         if self.session_id is not None:
@@ -123,7 +168,10 @@ class WorkloadRequest:
         """Prompt tokens without the chat template (pieces are one token each)."""
         if self.trace is not None:
             return self.trace.input_tokens
-        return sum(len(m.content) for m in self.messages) // 4
+        chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+                    for m in self.messages)  # fmt: skip
+        chars += sum(len(t.description) + sum(len(d) for _, d in t.parameters) for t in self.tools)
+        return chars // 4
 
 
 @dataclass(frozen=True, slots=True)

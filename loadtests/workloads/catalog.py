@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from loadtests.workloads.agentic import agentic
 from loadtests.workloads.base import Workload
 from loadtests.workloads.lora import lora_tenants
 from loadtests.workloads.multi_tenant import llmd_tenants, multi_tenant
 from loadtests.workloads.multi_turn import multi_turn
+from loadtests.workloads.rollouts import rollouts
 from loadtests.workloads.shared_prefix import generated_shared_prefix
 from loadtests.workloads.traces import (
     MOONCAKE_SYNTHETIC,
@@ -47,6 +49,8 @@ WORKLOADS: Mapping[str, WorkloadFactory] = MappingProxyType(
         "multi-tenant": multi_tenant,
         "tenants": llmd_tenants,
         "lora-tenants": lora_tenants,
+        "agentic": agentic,
+        "rollouts": rollouts,
         "mooncake": mooncake_trace,
         "mooncake-conversation": mooncake_trace,
         "mooncake-synthetic": _mooncake_synthetic,
