@@ -126,7 +126,7 @@ def build_app(
         client_max_size=config.server.max_payload_size,
         middlewares=[handlers.make_middleware(config), telemetry_middleware(telemetry)],
     )
-    registry = WorkerRegistry(config.outlier.panic_threshold, clock)
+    registry = WorkerRegistry(config.outlier.panic_threshold, clock, dp_aware=config.dp_aware)
     for spec in config.workers:
         url, kind = parse_worker_spec(spec)
         registry.add(validate_worker_url(url), kind or configured_kind(config.worker_kind))
@@ -268,19 +268,24 @@ def _follow_membership(
     def set_capacity(worker: Worker) -> None:
         meta = worker.metadata
         if meta.capacity_tokens or meta.max_sequences:
-            # a sequence bound alone (no context size told) leaves the block bound as is
-            index.set_capacity(worker.id, meta.capacity_tokens or None, meta.max_sequences)
+            # a sequence bound alone (no context size told) leaves the block bound as is;
+            # a DP rank's capacity is per rank (SGLang reports it per rank)
+            for target in worker.targets():
+                index.set_capacity(target.id, meta.capacity_tokens or None, meta.max_sequences)
+
+    def forget_target(target: Worker) -> None:
+        routing.tokens.forget_worker(target.id)
+        routing.slots.forget_worker(target.id)
+        index.forget_worker(target.id)
+        routing.costs.forget_worker(target.id)
 
     def forget(worker: Worker) -> None:
-        routing.tokens.forget_worker(worker.id)
-        routing.slots.forget_worker(worker.id)
-        index.forget_worker(worker.id)
-        routing.costs.forget_worker(worker.id)
         load.forget(worker)
         forget_elsewhere(worker)
 
     health.on_metadata.append(set_capacity)
     load.on_capacity.append(set_capacity)
+    registry.on_target_removed(forget_target)
     registry.on_removed(forget)
 
 
@@ -360,7 +365,7 @@ async def _runtime(
     )
     telemetry.use_snapshot(snapshot)
     outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
-    registry.on_removed(lambda w: telemetry.forget_worker(w.id))
+    registry.on_target_removed(lambda t: telemetry.forget_worker(t.id))
     _follow_membership(routing, registry, health, load, lambda w: pool.forget(w.url))
     app[app_keys.SESSION] = session
     app[app_keys.HEALTH] = health

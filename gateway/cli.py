@@ -51,6 +51,14 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "worker_kind",
         {"help": "kind of a worker whose URL has no #kind (auto, sglang, llamacpp, ...)"},
     ),
+    "--dp-aware": (
+        "dp_aware",
+        {"action": "store_true", "help": "route to each DP rank of SGLang workers (default)"},
+    ),
+    "--no-dp-aware": (
+        "dp_aware",
+        {"action": "store_false", "help": "treat a DP worker as one target (rank-blind)"},
+    ),
     "--policy": ("policy.name", {"help": "routing policy (default min_ttft); unknown → refused"}),
     "--cache-threshold": (
         "policy.cache_threshold",

@@ -358,6 +358,10 @@ class GatewayConfig:
     # Kind of a worker whose URL names none: sglang, llamacpp, vllm, openai, or auto
     # (discovered from what it answers; gateway.workers.kinds).
     worker_kind: str = "auto"
+    # Route to each data-parallel rank of an SGLang worker with dp_size > 1 (its own radix
+    # cache and load; the body gets the rank); false: the worker is one target and SGLang
+    # spreads requests over its ranks itself.
+    dp_aware: bool = True
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)

@@ -8,7 +8,9 @@
   ``BlockRemoved``. A store whose parent is unknown (events lost before we subscribed) is
   dropped: the index may then under-predict, never over-predict. Blocks whose
   ``block_size`` differs from the worker's advertised one are dropped too (as Dynamo
-  does). Ranks of one worker are unioned: a match asks whether *any* rank holds a block.
+  does). The key is the routing target: a worker with DP ranks routed to separately is
+  keyed per rank (``<worker>@dp<rank>``), so a match asks what *that rank* holds; under
+  the worker's own id, ranks are unioned.
 * :class:`PredictedBlocks` (the hybrid): blocks of a request dispatched to an exact-mode
   worker are kept as *predicted* entries for a TTL, so siblings of a prompt still in
   prefill co-locate. The TTL is ``ttl_factor`` times the running mean of the observed
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from xxhash import xxh3_64_intdigest
 
+from gateway.config.workerspec import split_target_id
 from gateway.exact.wire import Cleared, Event, Removed, Stored
 
 Namespace = tuple[str | None, str | None, str | None]  # (LoRA, cache_salt, extra_key)
@@ -109,9 +112,10 @@ class ExactIndex:
             held.pop(h, None)
 
     def clear(self, worker_id: str, rank: int | None = None) -> None:
-        """Drop a rank's blocks, or all of a worker's (``rank=None``)."""
-        held = self._held.get(worker_id, {})
-        for key in [k for k in self._ranks if k[0] == worker_id and rank in (None, k[1])]:
+        """Drop a rank's blocks, or all of a worker's (``rank=None``; with those kept
+        under its DP ranks' target ids, ``gateway.config.workerspec.rank_target_id``)."""
+        for key in [k for k in self._ranks if _of(k[0], worker_id) and rank in (None, k[1])]:
+            held = self._held.get(key[0], {})
             for h in self._ranks.pop(key).by_engine.values():
                 self._release(held, h)
 
@@ -183,4 +187,11 @@ class PredictedBlocks:
         return entry is not None and entry[1] > now
 
     def forget(self, worker_id: str) -> None:
-        self._by_worker.pop(worker_id, None)
+        """Drop a worker's predictions (its DP ranks' too)."""
+        for key in [k for k in self._by_worker if _of(k, worker_id)]:
+            del self._by_worker[key]
+
+
+def _of(key: str, worker_id: str) -> bool:
+    """``key`` is ``worker_id`` or the target id of one of its DP ranks."""
+    return key == worker_id or split_target_id(key)[0] == worker_id

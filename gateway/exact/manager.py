@@ -53,6 +53,7 @@ import zmq.asyncio
 
 from gateway.config import KVEventsConfig
 from gateway.config.allowlist import HostAllowList, NotAllowed
+from gateway.config.workerspec import rank_target_id, routed_ranks, split_target_id
 from gateway.exact.choice import NO_TOKENIZER, TokenizerChoice, load_worker_cached
 from gateway.exact.feed import RankFeed
 from gateway.exact.index import ExactIndex, Namespace, PredictedBlocks, chain_hashes, namespace_seed
@@ -345,13 +346,16 @@ class KVEventsManager:
             return
         now = self._clock()
         state.awaiting_since = None
+        target = _target(wid, rank, state.desc)
         for event in events:
-            stored = self.index.apply(wid, rank, event, state.desc.block_size)
+            stored = self.index.apply(target, rank, event, state.desc.block_size)
             if stored:
-                self.predicted.confirm(wid, stored, now)
+                self.predicted.confirm(target, stored, now)
 
     def _gap_lost(self, wid: str, rank: int) -> None:
-        self.index.clear(wid, rank)
+        state = self._states.get(wid)
+        desc = None if state is None else state.desc
+        self.index.clear(wid if desc is None else _target(wid, rank, desc), rank)
         state = self._states.get(wid)
         if state is not None:
             state.lost_at = self._clock()
@@ -359,8 +363,13 @@ class KVEventsManager:
         log.warning("kv events: worker %s rank %d lost batches replay could not fill", wid, rank)
 
     # modes and matching ------------------------------------------------------
+    def _state(self, target_id: str) -> _WorkerState | None:
+        """A followed worker's state, by its id or one of its DP ranks' target ids."""
+        state = self._states.get(target_id)
+        return state if state is not None else self._states.get(split_target_id(target_id)[0])
+
     def mode(self, worker_id: str) -> str:
-        state = self._states.get(worker_id)
+        state = self._state(worker_id)
         if state is None or state.desc is None:
             return MODE_APPROXIMATE
         now = self._clock()
@@ -376,9 +385,9 @@ class KVEventsManager:
 
     def reason(self, worker_id: str) -> str:
         """Why the worker is in its mode, in words for an operator."""
-        state = self._states.get(worker_id)
+        state = self._state(worker_id)
         if state is None:
-            return self._unfollowed.get(worker_id, "not yet discovered")
+            return self._unfollowed.get(split_target_id(worker_id)[0], "not yet discovered")
         mode = self.mode(worker_id)
         if mode == MODE_APPROXIMATE:
             return state.why
@@ -395,11 +404,11 @@ class KVEventsManager:
 
     def tokenizer_for(self, worker_id: str) -> Tokenizer | None:
         """The tokenizer of a followed worker's model (None: not followed)."""
-        state = self._states.get(worker_id)
+        state = self._state(worker_id)
         return None if state is None else state.tokenizer
 
     def block_size(self, worker_id: str) -> int | None:
-        state = self._states.get(worker_id)
+        state = self._state(worker_id)
         return state.desc.block_size if state is not None and state.desc is not None else None
 
     def request_hashes(
@@ -444,7 +453,7 @@ class KVEventsManager:
         """A request went to ``worker_id``: expect an event if it brings the worker a
         block it does not hold (a prompt already cached whole stores nothing, so its
         silence is no staleness); predict its blocks (hybrid)."""
-        state = self._states.get(worker_id)
+        state = self._state(worker_id)
         if state is None or state.desc is None:
             return
         now = self._clock()
@@ -477,6 +486,12 @@ class KVEventsManager:
         f.predicted_tokens += predicted
         f.true_predicted_tokens += min(predicted, reported)
         f.reported_tokens += reported
+
+
+def _target(wid: str, rank: int, desc: Descriptor) -> str:
+    """The routing target a rank's events describe: the rank's own target id when the
+    worker has several (the registry routes to each, ``Worker.ranks``), else the worker."""
+    return rank_target_id(wid, rank) if routed_ranks(desc.dp_size) else wid
 
 
 def _quoted(value: Any) -> str:

@@ -12,7 +12,9 @@ Contract:
   client can name (and abort) another client's request, nor inject bytes through it.
 - :func:`body_with_rid` sets the body's ``rid`` member to the gateway's, replacing one the
   client sent (re-serialising that rare body with orjson) or appending one (bytes
-  inserted before the closing brace, nothing else touched: the common case).
+  inserted before the closing brace, nothing else touched: the common case);
+  :func:`body_with_members` does the same for any members (the rid and the DP rank the
+  gateway chose), removing the client's own spellings of them.
 - :func:`forwarded_headers` is the client's headers minus hop-by-hop ones (RFC 9110
   §7.6.1: the fixed list, ``Proxy-Connection``, and every name the client's
   ``Connection`` header lists), minus the body's encoding (aiohttp decoded the body the
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from urllib.parse import unquote, urlsplit
 
 import orjson
@@ -78,13 +80,25 @@ def new_rid() -> str:
 def body_with_rid(body: bytes, rid: str, *, has_rid: bool) -> bytes:
     """``body`` (a JSON object) with its ``rid`` member set to ``rid``. ``has_rid``: the
     client's body holds a ``rid`` member (the parser knows: the key may be escaped)."""
-    if has_rid:
+    return body_with_members(body, {"rid": rid}, rewrite=has_rid)
+
+
+def body_with_members(
+    body: bytes, members: Mapping[str, object], *, rewrite: bool, drop: Iterable[str] = ()
+) -> bytes:
+    """``body`` (a JSON object) with ``members`` set. ``rewrite``: the client's body may
+    hold one of them or of ``drop`` (removed): it is re-serialised; else the members are
+    appended before the closing brace, nothing else touched (the common case)."""
+    if rewrite:
         obj = orjson.loads(body)
-        obj["rid"] = rid
+        for key in drop:
+            obj.pop(key, None)
+        obj.update(members)
         return orjson.dumps(obj)
     close = body.rindex(b"}")
     sep = b"" if body[:close].rstrip().endswith(b"{") else b","
-    return body[:close] + sep + b'"rid":' + orjson.dumps(rid) + body[close:]
+    added = b",".join(orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in members.items())
+    return body[:close] + sep + added + body[close:]
 
 
 def connection_listed(headers: Iterable[tuple[str, str]]) -> frozenset[str]:

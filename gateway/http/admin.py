@@ -105,9 +105,11 @@ def _described(app: web.Application, workers: list[Worker]) -> list[dict[str, An
     out = []
     for w in workers:
         d = w.describe(now)
-        snap = modes.get(w.id)
-        if snap is not None:
-            d["index_mode"], d["index_mode_reason"] = snap.index_mode, snap.index_mode_reason
+        for entry in [d, *(d["dp_ranks"] or ())]:  # a DP worker's mode is its ranks'
+            snap = modes.get(entry["id"]) or modes.get(w.targets()[0].id)
+            if snap is not None:
+                entry["index_mode"] = snap.index_mode
+                entry["index_mode_reason"] = snap.index_mode_reason
         out.append(d)
     return out
 

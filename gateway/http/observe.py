@@ -227,7 +227,7 @@ class RegistrySnapshot:
         now = self.registry.clock()
         adm = self.admission
         return FleetSnapshot(
-            workers=[self._worker(w, now) for w in self.registry],
+            workers=[self._worker(w, now) for w in self.registry.targets()],
             chars_per_token={} if self.tokens is None else self.tokens.model_ratios(),
             policy=self.policy,
             admission_in_flight=None if adm is None else adm.active,

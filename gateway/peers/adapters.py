@@ -149,11 +149,11 @@ class RegistryFleet:
     def local_load(self) -> dict[str, LoadFigures]:
         return {
             w.id: (w.in_flight, w.queued_prefill_tokens, w.decoding_requests)
-            for w in self._registry
+            for w in self._registry.targets()  # a DP rank's figures are its own
         }
 
     def set_peer_load(self, load: Mapping[str, LoadFigures]) -> None:
-        for w in self._registry:
+        for w in self._registry.targets():
             figures = load.get(w.id, _NO_LOAD)
             w.peer_in_flight, w.peer_queued_prefill_tokens, w.peer_decoding_requests = figures
 

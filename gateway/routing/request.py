@@ -73,6 +73,11 @@ class RequestError(Exception):
         self.err_type = err_type
 
 
+# SGLang's request member naming the DP rank (0.5.10+), and its older spelling (0.4.8 -
+# 0.5.9; a deprecated alias since)
+DP_RANK_KEYS = ("routed_dp_rank", "data_parallel_rank")
+
+
 @dataclass(frozen=True, slots=True)
 class RequestSettings:
     chars_per_token: float = 4.0
@@ -98,6 +103,7 @@ class RouteRequest:
     tokens_exact: bool = False  # the prompt is token ids: prompt_tokens is exact
     batch: bool = False  # a list of prompts (SGLang wants a list of rids then, or none)
     lora_path: str | None = None  # SGLang's lora_path when a string: an adapter's name
+    dp_rank_in_body: bool = False  # the body names a DP rank (routed_dp_rank or its alias)
 
     def target(self, served: Collection[str]) -> tuple[str | None, str | None]:
         """(base model, LoRA adapter) this request names, given the names the workers
@@ -157,6 +163,7 @@ def parse_request(
         tokens_exact=prompt.exact,
         batch=prompt.batch,
         lora_path=_lora_path(obj),
+        dp_rank_in_body=any(k in obj for k in DP_RANK_KEYS),
     )
 
 

@@ -40,14 +40,14 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.forward import relay
 from gateway.forward.credentials import WorkerCredentials
-from gateway.forward.outbound import body_with_rid, new_rid
+from gateway.forward.outbound import body_with_members, new_rid
 from gateway.forward.upstream import UpstreamPool, UpstreamResponse
 from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
 from gateway.routing.lora import AdapterLoads, load_adapter, lora_candidates
-from gateway.routing.request import ApiKind, RouteRequest
+from gateway.routing.request import DP_RANK_KEYS, ApiKind, RouteRequest
 from gateway.routing.slot_gate import SlotGate
-from gateway.workers.kinds import kind_named
+from gateway.workers.kinds import dp_rank_key, kind_named
 from gateway.workers.outlier import (
     OUTCOME_5XX,
     OUTCOME_CONNECT_ERROR,
@@ -223,7 +223,7 @@ class Router:
                     response = await self._attempt(call, choice, record, final, attempt)
                 except relay.AttemptFailed as exc:
                     failure = exc
-                    excluded.append(worker.id)
+                    excluded.append(worker.server.id)  # a DP rank's failure: its whole worker
                     self.hooks.attempt_failed(worker, exc.kind, exc.status)
                     if exc.kind == "timeout":
                         break  # the time budget is spent; another worker would start over
@@ -296,7 +296,9 @@ class Router:
                 slots.leave(ticket)
             if upstream is not None:
                 upstream.release()
-        self._outlier.record(worker, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS)
+        self._outlier.record(
+            worker.server, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS
+        )
         self.core.feedback(req, choice, lease, outcome, self.registry.clock(), call.exact)
         record.outcome = DecisionOutcome(
             status=outcome.status,
@@ -309,7 +311,7 @@ class Router:
         )
         self.hooks.completed(req, record)
         if outcome.failed_mid_stream:
-            self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
+            self._outlier.record(worker.server, OUTCOME_CONNECT_ERROR)
             log.warning("request %s: worker %s failed mid-stream", call.request_id, worker.url)
         return response
 
@@ -322,10 +324,18 @@ class Router:
         headers = relay.upstream_headers(request.headers, rid or new_rid(), extra, self._drop)
         deadline = asyncio.get_running_loop().time() + self._request_timeout
         aborts = kind_named(worker.kind).abort_path is not None
-        has_rid = req.rid is not None or req.rid_in_body
-        body = req.body
+        members: dict[str, object] = {}
+        rewrite = False
         if aborts and rid is not None:
-            body = body_with_rid(body, rid, has_rid=has_rid)
+            members["rid"] = rid
+            rewrite = req.rid is not None or req.rid_in_body
+        if worker.dp_rank is not None:  # one DP rank of an SGLang worker: pin it there
+            members[dp_rank_key(worker.metadata.version)] = worker.dp_rank
+            rewrite = rewrite or req.dp_rank_in_body
+        body = req.body
+        if members:
+            drop = DP_RANK_KEYS if worker.dp_rank is not None else ()
+            body = body_with_members(body, members, rewrite=rewrite, drop=drop)
         return await relay.send(
             self._fwd.pool, worker.url, request.raw_path, body, headers, deadline
         )
@@ -338,9 +348,9 @@ class Router:
         upstream: UpstreamResponse | None,
     ) -> None:
         if exc.kind == "connect" or exc.kind == "dropped":
-            self._outlier.record(worker, OUTCOME_CONNECT_ERROR)
+            self._outlier.record(worker.server, OUTCOME_CONNECT_ERROR)
         elif (exc.kind == "status" and exc.status >= 500) or exc.kind in _TIMEOUTS:
-            self._outlier.record(worker, OUTCOME_5XX)  # a hang counts like a 5xx
+            self._outlier.record(worker.server, OUTCOME_5XX)  # a hang counts like a 5xx
         if exc.kind in ("dropped", *_TIMEOUTS):
             self._abort(worker, rid, upstream)  # it may still be working on it
 

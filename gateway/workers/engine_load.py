@@ -7,7 +7,9 @@ llama.cpp ``/metrics`` then ``/slots``; vLLM ``/metrics``; a generic OpenAI serv
 The first endpoint that answers 200 with a shape we understand is remembered per worker
 (and kind); a 404 or an unknown shape moves to the next.
 Connection errors leave the last figures in place (their age grows; policies see it).
-Multiple data-parallel ranks are summed (requests, tokens) or maxed (token usage).
+Multiple data-parallel ranks are summed (requests, tokens) or maxed (token usage) into the
+worker's load; a worker routed to per rank (``Worker.ranks``) also has each rank's own
+entry set on that rank, and its capacity is a rank's (SGLang sizes the pool per rank).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import aiohttp
 from gateway.config import LoadConfig
 from gateway.workers.kinds import kind_named
 from gateway.workers.registry import Worker, WorkerRegistry
+from gateway.workers.replies import LoadReading
 from policies.base import EngineLoad
 
 
@@ -76,15 +79,31 @@ class LoadPoller:
                 raw = await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError):
             return _UNREACHABLE
-        parsed = kind_named(worker.kind).parse_load(path, raw)
+        kind = kind_named(worker.kind)
+        parsed = kind.parse_load(path, raw)
         if parsed is None:
             return None
         load, capacity = parsed
+        if worker.ranks:
+            capacity = self._rank_loads(worker, kind.parse_rank_loads(path, raw)) or capacity
         if capacity and worker.metadata.capacity_tokens is None:
             worker.metadata.capacity_tokens = capacity
             for listener in self.on_capacity:
                 listener(worker)
         return load
+
+    def _rank_loads(self, worker: Worker, readings: dict[int, LoadReading]) -> int | None:
+        """Each DP rank's own load from a per-rank answer (a rank it omits keeps its
+        last); returns the largest rank capacity told (capacity is per rank there)."""
+        now = self._registry.clock()
+        capacity = None
+        for rank in worker.ranks:
+            reading = readings.get(rank.dp_rank) if rank.dp_rank is not None else None
+            if reading is not None:
+                rank.engine_load, rank.load_read_at = reading[0], now
+                if reading[1]:
+                    capacity = max(capacity or 0, reading[1])
+        return capacity
 
 
 _UNREACHABLE = object()

@@ -8,7 +8,8 @@ Contract:
   ``HealthFlag.UNCHECKED`` until its first pass (one pass suffices: nothing was known).
 - The probe path, and where metadata is read, depend on the worker's kind
   (``gateway.workers.kinds``). After a pass, a worker whose metadata is unknown has it read
-  (SGLang ``/server_info``: model, ``max_total_num_tokens``, page size; llama.cpp
+  (SGLang ``/server_info``: model, ``max_total_num_tokens``, page size, ``dp_size``: a
+  worker with several DP ranks gets one routing target per rank; llama.cpp
   ``/props``: slots and context) and ``on_metadata`` listeners are told.
 - A worker of unknown kind (``auto``) is identified once it answers anything: by the
   probe's ``Server: llama.cpp`` header, else by the first of SGLang ``/server_info``,
@@ -168,5 +169,6 @@ class HealthChecker:
             log.info("worker %s is of kind %s (discovered)", worker.url, kind.name)
             worker.kind, worker.kind_known = kind.name, True
         worker.metadata = metadata
+        self._registry.sync_ranks(worker)  # DP ranks: one routing target each
         for listener in self.on_metadata:
             listener(worker)

@@ -25,13 +25,19 @@ without ``stream_options.include_usage``); those keys mean the same on every kin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
 from gateway.config.workerspec import LLAMACPP, OPENAI, SGLANG, VLLM
 from gateway.workers.registry import WorkerMetadata
-from gateway.workers.replies import LoadReading, parse_server_info, parse_sglang_load
+from gateway.workers.replies import (
+    LoadReading,
+    parse_server_info,
+    parse_sglang_load,
+    parse_sglang_rank_loads,
+)
 from policies.base import EngineLoad
 
 
@@ -46,6 +52,9 @@ class WorkerKind(Protocol):
     def health_path(self, configured: str) -> str: ...
     def parse_info(self, path: str, body: Any) -> WorkerMetadata | None: ...
     def parse_load(self, path: str, raw: bytes) -> LoadReading | None: ...
+    def parse_rank_loads(self, path: str, raw: bytes) -> dict[int, LoadReading]:
+        """Per data-parallel rank, when the answer tells ranks apart ({}: it does not)."""
+        ...
 
 
 def kind_named(name: str) -> WorkerKind:
@@ -111,6 +120,22 @@ def _models_metadata(body: Any) -> WorkerMetadata | None:
 # --- the kinds -------------------------------------------------------------------------
 
 
+def dp_rank_key(version: str | None) -> str:
+    """The request member that pins a DP rank on an SGLang worker of ``version``:
+    ``routed_dp_rank`` from 0.5.10 (checked in the released packages' ``protocol.py`` and
+    ``io_struct.py``), ``data_parallel_rank`` before (0.4.8 - 0.5.9), and for a version
+    not told or not read (every release that has DP routing accepts that spelling; newer
+    ones as a deprecated alias)."""
+    m = _VERSION.match(version or "")
+    if m is None:
+        return "data_parallel_rank"
+    release = (int(m[1]), int(m[2]), int(m[3]))
+    return "routed_dp_rank" if release >= (0, 5, 10) else "data_parallel_rank"
+
+
+_VERSION = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
+
+
 class SGLangKind:
     """SGLang: ``/server_info`` metadata, ``/v1/loads`` (or older) load, ``/abort_request``."""
 
@@ -127,6 +152,9 @@ class SGLangKind:
 
     def parse_load(self, path: str, raw: bytes) -> LoadReading | None:
         return parse_sglang_load(path, raw)
+
+    def parse_rank_loads(self, path: str, raw: bytes) -> dict[int, LoadReading]:
+        return parse_sglang_rank_loads(path, raw)
 
 
 class LlamaCppKind:
@@ -174,6 +202,9 @@ class LlamaCppKind:
         )
         return load, None
 
+    def parse_rank_loads(self, path: str, raw: bytes) -> dict[int, LoadReading]:
+        return {}
+
 
 def _llamacpp_slots_load(raw: bytes) -> LoadReading | None:
     import orjson
@@ -214,6 +245,9 @@ class VllmKind:
         )
         return load, _vllm_capacity(raw)
 
+    def parse_rank_loads(self, path: str, raw: bytes) -> dict[int, LoadReading]:
+        return {}
+
 
 def _vllm_capacity(raw: bytes) -> int | None:
     """``num_gpu_blocks x block_size`` from the ``vllm:cache_config_info`` labels."""
@@ -245,6 +279,9 @@ class OpenAIKind:
 
     def parse_load(self, path: str, raw: bytes) -> LoadReading | None:
         return None
+
+    def parse_rank_loads(self, path: str, raw: bytes) -> dict[int, LoadReading]:
+        return {}
 
 
 _KINDS: Mapping[str, WorkerKind] = MappingProxyType(

@@ -14,7 +14,18 @@ Contract:
 - :meth:`WorkerRegistry.candidates` applies the panic threshold: when too few workers are
   healthy it returns every non-draining worker, since then the health signals themselves
   are more likely wrong than the whole fleet.
-- Listeners registered with :meth:`on_removed` learn of removals (prefix index, cost model).
+- Listeners registered with :meth:`on_removed` learn of removed workers (connection pool,
+  load endpoint); those registered with :meth:`on_target_removed` of every routing target
+  that goes (prefix index, cost model, metrics): a removed worker's ranks and itself.
+- A worker with data-parallel ranks (SGLang ``dp_size > 1``, from ``/server_info``) is
+  routed to per rank: :meth:`WorkerRegistry.sync_ranks` gives it one :class:`RankWorker`
+  per rank (id ``<worker id>@dp<rank>``), each with its own counters, engine load and
+  prefix-index entries; what belongs to the server (URL, kind, health flags, outlier
+  counters, metadata, adapters) a rank reads and writes on its worker. Candidates are
+  the ranks of such workers; ``excluded`` takes a worker's id (all its ranks) or a
+  rank's. Ranks that go (a worker removed, ``dp_size`` changed) are told to the target
+  listeners, and so is the worker's own id when it gains or loses ranks (what was
+  learnt of it as one target does not hold per rank).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.config.workerspec import rank_target_id, routed_ranks
 from policies.base import EngineLoad, WorkerCost, WorkerView
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,8 @@ class WorkerMetadata:
     page_size: int | None = None
     max_sequences: int | None = None  # prompts it keeps cached when slots bind (llama.cpp)
     lora_enabled: bool = False  # serves LoRA adapters (SGLang's enable_lora)
+    dp_size: int = 1  # data-parallel ranks, each with its own radix cache (SGLang)
+    version: str | None = None  # the engine's version, when told (SGLang's ``version``)
 
 
 # LoRA adapters as workers report them (their /v1/models cards, their load answers): a
@@ -107,6 +121,7 @@ class Worker:
         "consecutive_5xx",
         "consecutive_connect_errors",
         "decoding_requests",
+        "dp_rank",
         "ejected_until",
         "engine_load",
         "flags",
@@ -123,6 +138,7 @@ class Worker:
         "peer_in_flight",
         "peer_queued_prefill_tokens",
         "queued_prefill_tokens",
+        "ranks",
         "times_ejected",
         "url",
     )
@@ -135,19 +151,10 @@ class Worker:
         self.kind_known = kind is not None
         self.added_at = now
         self.flags: set[HealthFlag] = {HealthFlag.UNCHECKED}
-        self.in_flight = 0
-        self.queued_prefill_tokens = 0
-        self.decoding_requests = 0
-        # the same three as other gateways last published them (gateway.peers.state);
-        # a policy sees the sums
-        self.peer_in_flight = 0
-        self.peer_queued_prefill_tokens = 0
-        self.peer_decoding_requests = 0
+        self._init_target()
         self.metadata = WorkerMetadata()
         # LoRA adapters loaded there, name → path (its /v1/models cards with a parent)
         self.adapters: dict[str, str] = {}
-        self.engine_load: EngineLoad | None = None
-        self.load_read_at = 0.0
         # active checks: consecutive results since the last flip
         self.health_failures = 0
         self.health_successes = 0
@@ -157,6 +164,31 @@ class Worker:
         self.times_ejected = 0
         self.ejected_until = 0.0
         self.last_ejected_at = 0.0
+        # data-parallel ranks, each a routing target (empty: the worker is one target)
+        self.ranks: tuple[RankWorker, ...] = ()
+        self.dp_rank: int | None = None  # set on a RankWorker only
+
+    def _init_target(self) -> None:
+        """What a routing target counts of its own (a worker's, or a DP rank's)."""
+        self.in_flight = 0
+        self.queued_prefill_tokens = 0
+        self.decoding_requests = 0
+        # the same three as other gateways last published them (gateway.peers.state);
+        # a policy sees the sums
+        self.peer_in_flight = 0
+        self.peer_queued_prefill_tokens = 0
+        self.peer_decoding_requests = 0
+        self.engine_load: EngineLoad | None = None
+        self.load_read_at = 0.0
+
+    @property
+    def server(self) -> Worker:
+        """The worker that owns this target: itself (a rank's: its worker)."""
+        return self
+
+    def targets(self) -> tuple[Worker, ...]:
+        """Where requests to this worker are routed: its ranks, or itself."""
+        return self.ranks or (self,)
 
     @property
     def healthy(self) -> bool:
@@ -203,6 +235,7 @@ class Worker:
     def describe(self, now: float) -> dict[str, Any]:
         """Live state for ``GET /workers``."""
         load = self.engine_load
+        targets = self.targets()
         return {
             "id": self.id,
             "url": self.url,
@@ -212,11 +245,13 @@ class Worker:
             "routable": self.healthy,
             "flags": sorted(f.value for f in self.flags),
             "is_healthy": self.healthy,  # sglang-router's field name
-            "in_flight": self.in_flight,
-            "load": self.in_flight,  # sglang-router's field name
-            "queued_prefill_tokens": self.queued_prefill_tokens,
-            "decoding_requests": self.decoding_requests,
+            "in_flight": sum(t.in_flight for t in targets),
+            "load": sum(t.in_flight for t in targets),  # sglang-router's field name
+            "queued_prefill_tokens": sum(t.queued_prefill_tokens for t in targets),
+            "decoding_requests": sum(t.decoding_requests for t in targets),
             "capacity_tokens": self.metadata.capacity_tokens,
+            "dp_size": self.metadata.dp_size,
+            "dp_ranks": [r.describe_rank(now) for r in self.ranks] if self.ranks else None,
             "page_size": self.metadata.page_size,
             "max_sequences": self.metadata.max_sequences,
             "lora_adapters": sorted(self.adapters) if self.metadata.lora_enabled else None,
@@ -224,29 +259,100 @@ class Worker:
             "ejected_for_s": max(0.0, self.ejected_until - now)
             if HealthFlag.EJECTED in self.flags
             else 0.0,
-            "engine_load": None
-            if load is None
-            else {
-                "running_requests": load.running_requests,
-                "waiting_requests": load.waiting_requests,
-                "waiting_uncached_tokens": load.waiting_uncached_tokens,
-                "token_usage": load.token_usage,
-                "age_s": round(max(0.0, now - self.load_read_at), 3),
-            },
+            "engine_load": _described_load(load, now - self.load_read_at),
+        }
+
+
+def _described_load(load: EngineLoad | None, age_s: float) -> dict[str, Any] | None:
+    if load is None:
+        return None
+    return {
+        "running_requests": load.running_requests,
+        "waiting_requests": load.waiting_requests,
+        "waiting_uncached_tokens": load.waiting_uncached_tokens,
+        "token_usage": load.token_usage,
+        "age_s": round(max(0.0, age_s), 3),
+    }
+
+
+def _of_server(name: str) -> Any:
+    """A :class:`RankWorker` attribute that is its worker's (read and written there)."""
+
+    def get(self: RankWorker) -> Any:
+        return getattr(self.parent, name)
+
+    def put(self: RankWorker, value: Any) -> None:
+        setattr(self.parent, name, value)
+
+    return property(get, put)
+
+
+class RankWorker(Worker):
+    """One data-parallel rank of a worker: a routing target with its own id, counters
+    (leases), engine load and index entries; the rest is its worker's (module contract)."""
+
+    __slots__ = ("parent",)
+
+    # the server's own state, shared by all its ranks
+    url = _of_server("url")
+    kind = _of_server("kind")
+    kind_known = _of_server("kind_known")
+    added_at = _of_server("added_at")
+    flags = _of_server("flags")
+    metadata = _of_server("metadata")
+    adapters = _of_server("adapters")
+    health_failures = _of_server("health_failures")
+    health_successes = _of_server("health_successes")
+    consecutive_connect_errors = _of_server("consecutive_connect_errors")
+    consecutive_5xx = _of_server("consecutive_5xx")
+    times_ejected = _of_server("times_ejected")
+    ejected_until = _of_server("ejected_until")
+    last_ejected_at = _of_server("last_ejected_at")
+
+    def __init__(self, parent: Worker, rank: int) -> None:
+        # Worker.__init__ is not called: it would write the server's attributes above
+        self.parent = parent
+        self.id = rank_target_id(parent.id, rank)
+        self.dp_rank = rank
+        self.ranks = ()
+        self._init_target()
+
+    @property
+    def server(self) -> Worker:
+        return self.parent
+
+    def describe_rank(self, now: float) -> dict[str, Any]:
+        """This rank's own figures, for its worker's ``GET /workers`` entry."""
+        return {
+            "id": self.id,
+            "dp_rank": self.dp_rank,
+            "in_flight": self.in_flight,
+            "queued_prefill_tokens": self.queued_prefill_tokens,
+            "decoding_requests": self.decoding_requests,
+            "engine_load": _described_load(self.engine_load, now - self.load_read_at),
         }
 
 
 class WorkerRegistry:
     """The set of workers, keyed by id; builds the candidate list for each request."""
 
-    def __init__(self, panic_threshold: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        panic_threshold: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        dp_aware: bool = True,
+    ) -> None:
         self._workers: dict[str, Worker] = {}
+        self._dp_aware = dp_aware  # False: a DP worker stays one target (rank-blind)
         self._panic_threshold = panic_threshold
         self._removed_listeners: list[Callable[[Worker], None]] = []
+        self._target_listeners: list[Callable[[Worker], None]] = []
         self.clock = clock
         # every LoRA adapter seen loaded on a worker: what a load call needs once no
         # worker holds it any more (bounded: the oldest are forgotten)
         self._adapter_paths: dict[str, AdapterSource] = {}
+        self._ranks: dict[str, RankWorker] = {}  # rank target id → rank
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -255,7 +361,12 @@ class WorkerRegistry:
         return iter(list(self._workers.values()))
 
     def on_removed(self, listener: Callable[[Worker], None]) -> None:
+        """``listener(worker)`` once a worker is removed."""
         self._removed_listeners.append(listener)
+
+    def on_target_removed(self, listener: Callable[[Worker], None]) -> None:
+        """``listener(target)`` for each routing target that goes (module contract)."""
+        self._target_listeners.append(listener)
 
     def add(self, url: str, kind: str | None = None) -> tuple[Worker, bool]:
         """Register ``url`` (already validated) of ``kind`` (None: discover it); returns
@@ -271,12 +382,53 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
+            self._drop_ranks(worker, 0)
+            self._target_removed(worker)
             for listener in self._removed_listeners:
                 listener(worker)
         return worker
 
+    def _target_removed(self, target: Worker) -> None:
+        for listener in self._target_listeners:
+            listener(target)
+
+    def _drop_ranks(self, worker: Worker, keep: int) -> None:
+        """Forget ``worker``'s ranks from ``keep`` on (listeners told of each)."""
+        gone, worker.ranks = worker.ranks[keep:], worker.ranks[:keep]
+        for rank in gone:
+            self._ranks.pop(rank.id, None)
+            self._target_removed(rank)
+
+    def sync_ranks(self, worker: Worker) -> bool:
+        """Give ``worker`` one routing target per DP rank its metadata tells (none for
+        one rank, or past ``MAX_ROUTED_DP_RANKS``); True if they changed. Ranks that go are
+        forgotten by the removal listeners; the worker's own id stops being a target
+        when it gains ranks (its index entries are forgotten the same way)."""
+        want = routed_ranks(worker.metadata.dp_size) if self._dp_aware else 0
+        have = len(worker.ranks)
+        if want == have or worker.id not in self._workers:
+            return False
+        if want < have:
+            self._drop_ranks(worker, want)
+        else:
+            if have == 0:
+                self._target_removed(worker)  # what was learnt of it is per rank now
+            added = tuple(RankWorker(worker, r) for r in range(have, want))
+            worker.ranks += added
+            self._ranks.update((r.id, r) for r in added)
+        if not worker.ranks:
+            self._target_removed(worker)  # back to one target: start it afresh too
+        log.info("worker %s: %d data-parallel ranks routed to separately", worker.url, want)
+        return True
+
     def get(self, worker_id: str) -> Worker | None:
-        return self._workers.get(worker_id)
+        """A worker by id, or one of its DP ranks by its target id."""
+        return self._workers.get(worker_id) or self._ranks.get(worker_id)
+
+    def targets(self) -> Iterator[Worker]:
+        """Every routing target: each worker's ranks, or the worker itself."""
+        for worker in list(self._workers.values()):
+            yield from worker.targets()
 
     def find(self, id_or_url: str) -> Worker | None:
         """By id, or by URL (as given to ``add``)."""
@@ -372,12 +524,20 @@ class WorkerRegistry:
                 workers = holding
         healthy = [w for w in workers if not w.flags and w.id not in excluded]
         if healthy and len(healthy) >= self._panic_threshold * len(workers):
-            return healthy
+            return _targets(healthy, excluded)
         panic = [w for w in workers if not w.draining and w.id not in excluded]
         # Healthy ones first: a policy that breaks ties by order prefers them.
         panic.sort(key=lambda w: len(w.flags))
-        return panic
+        return _targets(panic, excluded)
 
     def ready(self) -> bool:
         """True when at least one worker is healthy (the gateway's readiness)."""
         return any(not w.flags for w in self._workers.values())
+
+
+def _targets(workers: list[Worker], excluded: Sequence[str]) -> list[Worker]:
+    """``workers`` as routing targets: a worker with DP ranks becomes its ranks (those
+    not excluded; all of them excluded: none of it)."""
+    if not any(w.ranks for w in workers):
+        return workers
+    return [t for w in workers for t in w.targets() if t.id not in excluded]

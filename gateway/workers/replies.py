@@ -22,7 +22,8 @@ LoadReading = tuple[EngineLoad, int | None]  # load, capacity in tokens (None: n
 
 
 def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
-    """Model, KV capacity and page size from a ``/server_info`` body (any release)."""
+    """Model, KV capacity (per DP rank: SGLang's ``internal_states`` are per rank), page
+    size, DP ranks and version from a ``/server_info`` body (any release)."""
     model = info.get("served_model_name") or info.get("model_path")
     capacity = info.get("max_total_num_tokens")
     if not isinstance(capacity, int):
@@ -32,12 +33,16 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
     page = info.get("page_size")
     lora = info.get("enable_lora") is True
     names = (info.get("served_model_name"), info.get("model_path"))
+    dp_size = info.get("dp_size")
+    version = info.get("version")
     return WorkerMetadata(
         model=model if isinstance(model, str) else None,
         models=frozenset(n for n in names if isinstance(n, str) and n),
         capacity_tokens=capacity if isinstance(capacity, int) and capacity > 0 else None,
         page_size=page if isinstance(page, int) and page > 0 else None,
         lora_enabled=lora,
+        dp_size=dp_size if type(dp_size) is int and dp_size > 0 else 1,
+        version=version if isinstance(version, str) and len(version) <= 64 else None,
     )
 
 
@@ -66,12 +71,16 @@ def _num(entry: Mapping[str, Any], key: str) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
-def parse_v1_loads(body: Any) -> tuple[EngineLoad, int | None] | None:
-    """``/v1/loads`` JSON → (load, max_total_num_tokens), or None if not that shape."""
-    loads = body.get("loads") if isinstance(body, dict) else None
+def _load_entries(body: Any, key: str | None) -> list[dict[str, Any]] | None:
+    """The per-rank entries of a load answer: ``body[key]`` (``/v1/loads``) or ``body``
+    itself (``/get_load``'s list); None if not a non-empty list."""
+    loads = body if key is None else body.get(key) if isinstance(body, dict) else None
     if not isinstance(loads, list) or not loads:
         return None
-    entries = [e for e in loads if isinstance(e, dict)]
+    return [e for e in loads if isinstance(e, dict)]
+
+
+def _v1_loads(entries: list[dict[str, Any]]) -> LoadReading:
     uncached = [
         e["num_waiting_uncached_tokens"]
         for e in entries
@@ -87,18 +96,49 @@ def parse_v1_loads(body: Any) -> tuple[EngineLoad, int | None] | None:
     return load, capacity or None
 
 
+def parse_v1_loads(body: Any) -> LoadReading | None:
+    """``/v1/loads`` JSON → (load, max_total_num_tokens), or None if not that shape."""
+    entries = _load_entries(body, "loads")
+    return None if entries is None else _v1_loads(entries)
+
+
 def parse_get_load(body: Any) -> EngineLoad | None:
     """``/get_load`` list form (0.5.5-0.5.18). The 0.4 ``{"load": n}`` form is too coarse."""
-    if not isinstance(body, list) or not body:
-        return None
-    entries = [e for e in body if isinstance(e, dict)]
+    entries = _load_entries(body, None)
     if not entries or "num_reqs" not in entries[0]:
         return None
+    return _get_load(entries)
+
+
+def _get_load(entries: list[dict[str, Any]]) -> EngineLoad:
     waiting = sum(_num(e, "num_waiting_reqs") for e in entries)
     return EngineLoad(
         running_requests=max(0, int(sum(_num(e, "num_reqs") for e in entries) - waiting)),
         waiting_requests=int(waiting),
     )
+
+
+def parse_sglang_rank_loads(path: str, raw: bytes) -> dict[int, LoadReading]:
+    """A ``/v1/loads`` or ``/get_load`` answer per ``dp_rank`` (rank → (load, that rank's
+    capacity if told)); {} for another path or shape. Entries without an integer
+    ``dp_rank`` are skipped."""
+    if path not in ("/v1/loads", "/get_load"):
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {}
+    entries = _load_entries(body, "loads" if path == "/v1/loads" else None)
+    out: dict[int, LoadReading] = {}
+    for e in entries or ():
+        rank = e.get("dp_rank")
+        if type(rank) is not int or rank < 0:
+            continue
+        if path == "/v1/loads":
+            out[rank] = _v1_loads([e])
+        elif "num_reqs" in e:
+            out[rank] = (_get_load([e]), None)
+    return out
 
 
 def parse_metrics(text: str) -> EngineLoad | None:
