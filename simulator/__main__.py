@@ -31,12 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
             "loop. Each has SGLang's HTTP API, a radix KV cache with LRU eviction, continuous\n"
             "batching and the latency model of a named profile. Prints one URL per line on\n"
             "stdout; stops on SIGINT/SIGTERM.\n\n"
+            "--dp-size N gives each worker N data-parallel ranks as SGLang's --dp-size: N\n"
+            "replicas (a radix cache of --capacity-tokens, queues and scheduler each) behind\n"
+            "one HTTP server. A request goes to the rank its routed_dp_rank (or\n"
+            "data_parallel_rank, or the X-Data-Parallel-Rank header) names, else round robin;\n"
+            "/server_info, /v1/loads, /metrics, /_sim/stats and KV events (rank r on\n"
+            "port+r) report each rank.\n\n"
             "--engine llamacpp serves llama.cpp's server instead: --slots slots of\n"
             "context-length/slots tokens each, one token sequence per slot (no KV shared\n"
             "between slots), one batch per step on one thread, llama.cpp's HTTP API (/props,\n"
             "/slots, llamacpp:* /metrics, timings.cache_n). The capacity, page-size,\n"
             "max-running-requests, schedule-policy, cache-report and legacy-get-load flags\n"
-            "do not apply to it; --kv-events-config is refused."
+            "do not apply to it; --kv-events-config and --dp-size are refused."
         ),
         epilog=(
             f"profiles:\n{profiles}\n\n"
@@ -77,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES), help="latency profile")
     add("--page-size", type=int, default=1, help="radix cache page size in tokens (default 1)")
+    add(
+        "--dp-size",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks per worker, each a whole replica (default 1)",
+    )
     add("--enable-metrics", action="store_true", help="serve /metrics (SGLang: off by default)")
     add(
         "--enable-cache-report",
@@ -120,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-config",
         default=None,
         help='KV events JSON as SGLang, e.g. \'{"publisher":"zmq","endpoint":"tcp://*:5557",'
-        '"replay_endpoint":"tcp://*:6557"}\'; worker i publishes on port+i',
+        '"replay_endpoint":"tcp://*:6557"}\'; worker i rank r publishes on '
+        "port+i*dp_size+r",
     )
     add(
         "--kv-events-legacy-array",
@@ -174,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         speed=args.speed,
         profile=args.profile,
         page_size=args.page_size,
+        dp_size=args.dp_size,
         enable_metrics=args.enable_metrics,
         enable_cache_report=args.enable_cache_report,
         seed=args.seed,
@@ -221,6 +236,8 @@ async def serve(config: SimConfig, workers: int, host: str, base_port: int) -> N
         kind = f"llama.cpp, {config.slots} slots of {context // config.slots} tokens"
     else:
         kind = f"SGLang, {capacity} KV tokens"
+        if config.dp_size > 1:
+            kind = f"SGLang, {config.dp_size} DP ranks of {capacity} KV tokens"
     print(
         f"sglang-sim: {workers} worker(s) ({kind} each), profile {profile.name}, "
         f"speed x{config.speed}; Ctrl-C to stop",

@@ -65,6 +65,9 @@ class SimConfig:
     # implicit reload of an evicted one); not a measured figure: a rank-16 adapter of an
     # 8B model is ~80 MB, a disk read and a host-to-device copy
     lora_load_s: float = 0.2
+    # SGLang's --dp-size: data-parallel ranks behind one HTTP server, each a whole
+    # replica (its own radix cache of capacity_tokens, queues and scheduler)
+    dp_size: int = 1
 
     def resolved_profile(self) -> Profile:
         return get_profile(self.profile)
@@ -95,6 +98,8 @@ class SimConfig:
             raise ValueError("served_model_name must not contain ':' (reserved for LoRA)")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError("schedule_policy must be 'fcfs' or 'lpm'")
+        if self.dp_size < 1:
+            raise ValueError("dp_size must be at least 1")
         self.resolved_profile()
         self.faults.validate()
         if self.kv_events_config is not None:
@@ -135,6 +140,8 @@ class SimConfig:
             )
         if self.kv_events_config is not None:
             raise ValueError("kv_events_config is SGLang's; llama.cpp publishes no KV events")
+        if self.dp_size != 1:
+            raise ValueError("dp_size is SGLang's; a llama.cpp server has one set of slots")
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@
         fleet.urls                  # ["http://127.0.0.1:PORT", ...]
         fleet.workers[0].model      # served model name ("sim-model")
         fleet.workers[0].engine     # the WorkerModel (radix cache, queues, counters), or the
-                                    # SlotWorkerModel with SimConfig(engine="llamacpp")
+                                    # SlotWorkerModel with SimConfig(engine="llamacpp");
+                                    # with SimConfig(dp_size=n), rank 0's of
+        fleet.workers[0].dp.ranks   # n ranks (engine, kv_events each)
         fleet.workers[0].faults     # mutable Faults (or POST /_sim/faults)
         fleet.workers[0].stats      # SimStats (or GET /_sim/stats)
         await fleet.stop_worker(1)      # like a killed process: listener closed, connections cut

@@ -338,6 +338,7 @@ def generate_output(
     e2e_latency: float | None,
     sent_ts: float | None,
     timing: GenerateTiming | None = None,
+    dp_rank: int | None = None,
 ) -> dict[str, Any]:
     """``/generate``'s body (or one streamed chunk) in 0.5.23's key order.
 
@@ -345,6 +346,7 @@ def generate_output(
     (no HiCache), ``dp_rank`` null, ``weight_versions`` only once finished; with
     ``--enable-metrics`` (``timing`` given) the scheduler's stamps come first and the
     request's timings at finish. ``response_sent_to_client_ts`` is on every chunk.
+    ``dp_rank`` is the rank that served the request with ``--dp-size`` (null without).
     """
     meta: dict[str, Any] = {
         "id": rid,
@@ -365,7 +367,7 @@ def generate_output(
     if e2e_latency is not None:
         meta["weight_versions"] = weight_versions(completion_tokens)
     meta["cached_tokens_details"] = None
-    meta["dp_rank"] = None
+    meta["dp_rank"] = dp_rank
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
         if timing is not None:

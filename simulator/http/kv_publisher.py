@@ -65,6 +65,20 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     return f"{head}:{int(port) + offset}"
 
 
+def is_ephemeral(endpoint: str | None) -> bool:
+    """A ``tcp://`` endpoint whose port is ``*`` or ``0`` (bound to any free port)."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return False
+    return endpoint.rpartition(":")[2] in ("*", "0")
+
+
+def _endpoint(endpoint: str, offset: int, port: int | None) -> str:
+    """``endpoint`` moved by ``offset``, or on ``port`` when one is given."""
+    if port is None:
+        return offset_endpoint(endpoint, offset)
+    return f"{endpoint.rpartition(':')[0]}:{port}"
+
+
 # ---------------------------------------------------------------------- hashing
 def salt_seed(salt: str) -> bytes:
     """The chain seed of a salted request (§4.4)."""
@@ -280,6 +294,8 @@ class KVEventPublisher:
 
     ``offset`` is added to the configured ports (worker index in a simulated fleet, as
     SGLang adds the DP rank). ``close()`` must be called (it terminates the context).
+    :meth:`bind` may come before :meth:`start` (a server with DP ranks binds them all
+    before any publishes, :func:`simulator.http.sglang.dp.start_publishers`).
     """
 
     def __init__(
@@ -310,27 +326,49 @@ class KVEventPublisher:
         self.replay_port: int | None = None
         self.batches_sent = 0
 
-    def start(self) -> None:
-        """Bind the sockets and publish the queued startup ``AllBlocksCleared``."""
+    def bind(self, port: int | None = None, replay_port: int | None = None) -> None:
+        """Open the sockets and bind (or connect) them; ``port`` and ``replay_port``, when
+        given, replace the configured ports. A ``zmq.ZMQError`` leaves nothing open."""
         ctx = zmq.asyncio.Context()
         self._ctx = ctx
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, self.config.hwm)
-        pub.setsockopt(zmq.LINGER, 0)
-        self._pub = pub
-        endpoint = offset_endpoint(self.config.endpoint, self._offset)
-        if self.config.binds:
-            pub.bind(endpoint)
-            self.port = _bound_port(pub)
-        else:  # as SGLang: a concrete host without "bind": true is dialled, not bound
-            pub.connect(endpoint)
-            self.port = int(endpoint.rpartition(":")[2])
-        if self.config.replay_endpoint:
-            router = ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.bind(offset_endpoint(self.config.replay_endpoint, self._offset))
-            self._router = router
-            self.replay_port = _bound_port(router)
+        try:
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+            pub.setsockopt(zmq.LINGER, 0)
+            self._pub = pub
+            endpoint = _endpoint(self.config.endpoint, self._offset, port)
+            if self.config.binds:
+                pub.bind(endpoint)
+                self.port = _bound_port(pub)
+            else:  # as SGLang: a concrete host without "bind": true is dialled, not bound
+                pub.connect(endpoint)
+                self.port = int(endpoint.rpartition(":")[2])
+            if self.config.replay_endpoint:
+                router = ctx.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                self._router = router
+                router.bind(_endpoint(self.config.replay_endpoint, self._offset, replay_port))
+                self.replay_port = _bound_port(router)
+        except zmq.ZMQError:
+            self.unbind()
+            raise
+
+    def unbind(self) -> None:
+        """Close the sockets and the context (:meth:`close` once started)."""
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def start(self) -> None:
+        """Bind the sockets (unless :meth:`bind` did) and publish the queued startup
+        ``AllBlocksCleared``."""
+        if self._pub is None:
+            self.bind()
+        if self._router is not None:
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
         self.flush()
 
@@ -340,13 +378,7 @@ class KVEventPublisher:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for sock in (self._pub, self._router):
-            if sock is not None:
-                sock.close(linger=0)
-        self._pub = self._router = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        self.unbind()
 
     def _schedule(self) -> None:
         if self._scheduled or self._pub is None:
@@ -390,8 +422,9 @@ class KVEventPublisher:
         topic = self._topic if payload else b""
         return [ident, b"", topic, seq8, payload]
 
-    def descriptor(self) -> dict[str, Any]:
-        """The ``kv_events`` object of ``/server_info`` (§4.6)."""
+    def descriptor(self, dp_size: int = 1) -> dict[str, Any]:
+        """The ``kv_events`` object of ``/server_info`` (§4.6): this publisher is rank 0
+        of ``dp_size`` ranks, rank r publishing on ``endpoint_port_base + r``."""
         host = self.config.endpoint.removeprefix("tcp://").rpartition(":")[0]
         out: dict[str, Any] = {
             "publisher": "zmq",
@@ -399,7 +432,7 @@ class KVEventPublisher:
             "endpoint_port_base": self.port,
             "topic": self.config.topic,
             "block_size": self.page_size,
-            "dp_size": 1,
+            "dp_size": dp_size,
         }
         if self.replay_port is not None:
             out["replay_endpoint_port_base"] = self.replay_port

@@ -6,7 +6,8 @@ labels in alphabetical order, no ``_created`` samples, counter families named wi
 labels), ``_count``, gauges without a multiprocess mode carrying a ``pid`` label.
 
 * Scheduler gauges (``{engine_type, model_name, moe_ep_rank, pp_rank, tp_rank}``) come from
-  the model's lagged snapshot (refreshed per prefill batch, every 40 decode steps, idle).
+  the model's lagged snapshot (refreshed per prefill batch, every 40 decode steps, idle);
+  with DP ranks one series per rank, with a ``dp_rank`` label.
 * Tokenizer metrics (``{engine_type, model_name[, is_streaming]}``) are observed per request
   in modelled seconds, recorded at finish except time to first token. Like prometheus
   children, a labelled series appears once it was first touched.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from simulator.model.radix_state import ModelStats
@@ -188,25 +190,36 @@ def scheduler_values(snap: ModelStats, page_size: int, context_length: int) -> d
 
 def render(
     model_name: str,
-    snap: ModelStats,
+    snap: ModelStats | Sequence[ModelStats],
     requests: RequestMetrics,
     page_size: int,
     context_length: int,
 ) -> bytes:
-    """The whole exposition, ``text/plain; version=0.0.4``."""
+    """The whole exposition, ``text/plain; version=0.0.4``. ``snap``: the scheduler's
+    snapshot, or one per DP rank (then each scheduler gauge has one series per rank,
+    labelled ``dp_rank`` as SGLang labels them with ``--dp-size``)."""
     base = {"engine_type": "unified", "model_name": model_name}
     sched = {**base, "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": "0"}
-    values = scheduler_values(snap, page_size, context_length)
+    snaps = [snap] if isinstance(snap, ModelStats) else list(snap)
+    values = [
+        (
+            {**sched, "dp_rank": str(r)} if len(snaps) > 1 else sched,
+            scheduler_values(s, page_size, context_length),
+        )
+        for r, s in enumerate(snaps)
+    ]
     lines: list[str] = []
     for key, help_text in _SCHEDULER_GAUGES:
         name = f"sglang:{key}"
         _family(lines, name, "gauge", help_text)
-        lines.append(f"{name}{_labels(sched)} {floatToGoString(values[key])}")
-    pid_labels = {**sched, "pid": str(os.getpid())}
+        for labels, v in values:
+            lines.append(f"{name}{_labels(labels)} {floatToGoString(v[key])}")
+    pid = str(os.getpid())
     for key, help_text in _PID_GAUGES:
         name = f"sglang:{key}"
         _family(lines, name, "gauge", help_text)
-        lines.append(f"{name}{_labels(pid_labels)} {floatToGoString(values[key])}")
+        for labels, v in values:
+            lines.append(f"{name}{_labels({**labels, 'pid': pid})} {floatToGoString(v[key])}")
 
     counters: tuple[tuple[str, str, dict[str, int]], ...] = (
         ("prompt_tokens_total", "Number of prefill tokens processed.", requests.prompt_tokens),

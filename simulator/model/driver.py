@@ -51,6 +51,7 @@ class RequestHandle:
         "arrival",
         "cached_tokens",
         "completion_tokens",
+        "dp_rank",
         "finish",
         "finish_time",
         "first_token_time",
@@ -79,6 +80,7 @@ class RequestHandle:
         self.received_ts = time.time()  # wall clock, for /generate's stamps
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self.dp_rank: int | None = None  # the serving DP rank, set by a server with ranks
         self.output_ids: list[int] | tuple[int, ...] = ()
         self.finish: Finish | None = None
         self.first_token_time: float | None = None

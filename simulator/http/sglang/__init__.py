@@ -16,6 +16,8 @@ rid already in flight is a 400. Output text is the model's deterministic pseudo-
 Reported latencies (metrics, ``e2e_latency``) are in modelled seconds.
 
 Layout: :mod:`.core` (the model, the KV event publisher, request parsing and submission),
+:mod:`.dp` (data-parallel ranks, ``dp_size``: dispatch, the requested rank, their KV
+publishers' ports),
 one module per route family (:mod:`.openai`: chat, completions, embeddings; :mod:`.native`:
 ``/generate``, tokenize, detokenize; :mod:`.info`: health, server and model info, loads,
 metrics; :mod:`.admin`: ``/flush_cache``, ``/abort_request``, ``/_sim/stats``;

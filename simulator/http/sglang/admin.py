@@ -2,9 +2,13 @@
 ``/_sim/stats`` figures.
 
 ``/flush_cache`` (GET or POST) drops the radix tree only while no request runs or waits;
-with ``?timeout=s`` it retries for that long, then answers 400 with SGLang's text.
-``/abort_request`` aborts the body's ``rid`` or, with ``abort_all``, every request but the
-health checks; it answers 200 whatever it found.
+with ``?timeout=s`` it retries for that long, then answers 400 with SGLang's text. With DP
+ranks each rank flushes on its own once idle, and the answer is 200 only if every rank did
+(SGLang answers with the reply of whichever rank answers first, so with a busy rank it may
+say either). ``/abort_request`` aborts the body's ``rid`` or, with ``abort_all``, every
+request but the health checks, on every rank; it answers 200 whatever it found.
+``/_sim/stats``: the server's figures (summed over ranks) and, with DP ranks, ``dp_ranks``,
+one entry of the same figures per rank.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from aiohttp import web
 
 from simulator.http import api
 from simulator.http.sglang.core import SGLangCore
+from simulator.model.radix_worker import WorkerModel
 
 FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "
@@ -36,7 +41,8 @@ class AdminRoutes(SGLangCore):
                 timeout = float(request.query["timeout"])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self.engine.flush_cache():
+        pending = list(self.dp.ranks)
+        while pending := [rank for rank in pending if not rank.engine.flush_cache()]:
             if loop.time() >= deadline:
                 # the scheduler logs why; the HTTP answer of 0.5.23 is only this (checked
                 # on the real server with a request running)
@@ -52,34 +58,47 @@ class AdminRoutes(SGLangCore):
             raise api.json_invalid(exc.msg, exc.pos) from None
         if isinstance(body, dict):
             if body.get("abort_all"):
-                for rid in list(self.driver._handles):
-                    if not rid.startswith("HEALTH_CHECK"):
-                        self._abort(rid)
+                for driver in self._drivers():
+                    for rid in list(driver._handles):
+                        if not rid.startswith("HEALTH_CHECK"):
+                            self._abort(rid)
             elif isinstance(body.get("rid"), str) and body["rid"]:
                 self._abort(body["rid"])
         return web.Response(status=200)
 
     def sim_stats(self) -> dict[str, Any]:
-        engine = self.engine
-        cache = engine.cache
-        counters = engine.counters
+        figures = [self._rank_figures(rank.engine) for rank in self.dp.ranks]
+        total = {key: sum(f[key] for f in figures) for key in figures[0]}
         stats = dataclasses.asdict(self.stats)
         stats.update(
             {
-                "running": engine.num_running + engine.num_prefilling,
-                "waiting": engine.num_waiting,
+                "running": total.pop("running"),
+                "waiting": total.pop("waiting"),
                 "model_time": self.driver.now() if self._driver is not None else 0.0,
-                "kv_used_tokens": cache.used,
-                "kv_evictable_tokens": cache.evictable,
-                "kv_available_tokens": cache.available,
-                "kv_capacity_tokens": cache.capacity,
-                "kv_evicted_tokens_total": cache.evicted_total,
-                "prompt_tokens_total": counters.prompt_tokens,
-                "cached_tokens_total": counters.cached_tokens,
-                "generation_tokens_total": counters.generation_tokens,
-                "finished_total": counters.finished,
-                "retractions_total": counters.retractions,
+                **total,
                 "faults": self.faults.as_dict(),
             }
         )
+        if len(figures) > 1:
+            stats["dp_ranks"] = [{"dp_rank": r, **f} for r, f in enumerate(figures)]
         return stats
+
+    @staticmethod
+    def _rank_figures(engine: WorkerModel) -> dict[str, int]:
+        """One rank's live figures for ``/_sim/stats``."""
+        cache = engine.cache
+        counters = engine.counters
+        return {
+            "running": engine.num_running + engine.num_prefilling,
+            "waiting": engine.num_waiting,
+            "kv_used_tokens": cache.used,
+            "kv_evictable_tokens": cache.evictable,
+            "kv_available_tokens": cache.available,
+            "kv_capacity_tokens": cache.capacity,
+            "kv_evicted_tokens_total": cache.evicted_total,
+            "prompt_tokens_total": counters.prompt_tokens,
+            "cached_tokens_total": counters.cached_tokens,
+            "generation_tokens_total": counters.generation_tokens,
+            "finished_total": counters.finished,
+            "retractions_total": counters.retractions,
+        }

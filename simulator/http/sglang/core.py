@@ -11,6 +11,13 @@ request's cache namespace is its LoRA adapter (``model: "base:adapter"``, else
 ``lora_path``), ``extra_key`` and ``cache_salt``: requests in different namespaces never
 share a prefix. The adapter must be loaded, or loaded once (then it is reloaded, costing
 ``lora_load_s``), else the request fails as in SGLang (:mod:`simulator.model.lora`).
+
+With ``dp_size`` N the server has N ranks (:mod:`.dp`): a model, a driver and a KV event
+publisher each; ``engine``, ``kv_events`` and ``driver`` are rank 0's, ``dp`` holds them
+all. A request goes to the rank it names or to the next in turn; its rid must be unique
+across ranks. LoRA adapters are the server's (SGLang's tokenizer keeps the registry and
+``max_loaded_loras``; loads and unloads reach every rank), ``max_loras_per_batch`` is per
+rank (each scheduler has its own adapter slots).
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from simulator.config import KVEventsConfig, SimConfig
 from simulator.http import api
 from simulator.http.api import ApiError
 from simulator.http.base import HttpWorker
-from simulator.model.driver import DrivenModel, RequestHandle
+from simulator.http.sglang.dp import DPRank, DPRanks, start_publishers
+from simulator.model.driver import DrivenModel, ModelDriver, RequestHandle
 from simulator.model.lora import LoraAdapters, LoraRef, LoraUpdate, parse_lora_spec
 from simulator.model.radix_worker import WorkerModel
 from simulator.model.requests import SimRequest
@@ -47,6 +55,7 @@ class GenRequest:
     namespace: str
     stream: bool
     adapter: str | None = None  # the LoRA adapter's name (SGLang's lora_path)
+    dp_rank: int | None = None  # the DP rank the request names (routed_dp_rank)
 
 
 class SGLangCore(HttpWorker):
@@ -58,9 +67,16 @@ class SGLangCore(HttpWorker):
     ) -> None:
         super().__init__(config, host, port, index)
         self.context_length = config.context_length or self.profile.context_length
-        self.kv_events = self._kv_publisher(config, index)
-        listener = self.kv_events.recorder if self.kv_events is not None else None
-        self.engine = WorkerModel.from_config(config, listener=listener, tokenizer=self.tokenizer)
+        ranks = []
+        for r in range(config.dp_size):
+            kv_events = self._kv_publisher(config, index * config.dp_size + r, r)
+            listener = kv_events.recorder if kv_events is not None else None
+            engine = WorkerModel.from_config(config, listener=listener, tokenizer=self.tokenizer)
+            ranks.append(DPRank(r, engine, kv_events))
+        self.dp = DPRanks(ranks)
+        self.engine = ranks[0].engine
+        self.kv_events = ranks[0].kv_events
+        self._rank_drivers: list[ModelDriver] = []  # ranks 1.. (rank 0's is self.driver)
         self.loras = LoraAdapters(
             config.lora_enabled,
             [parse_lora_spec(spec) for spec in config.lora_paths],
@@ -74,19 +90,46 @@ class SGLangCore(HttpWorker):
     # ------------------------------------------------------------------ lifecycle and KV events
     async def start(self) -> None:
         """Listen on ``host:port`` (0: an ephemeral port, then ``self.port`` is set)."""
-        if self.kv_events is not None:
-            self.kv_events.start()
+        publishers = [rank.kv_events for rank in self.dp.ranks if rank.kv_events is not None]
+        if publishers:
+            start_publishers(publishers)
+        speed = self.config.speed
+        self._rank_drivers = [
+            ModelDriver(rank.engine, speed, self._observe) for rank in self.dp.ranks[1:]
+        ]
+        for driver in self._rank_drivers:
+            driver.start()
         await super().start()
 
     async def stop(self, kill: bool = True) -> None:
         """Stop serving. ``kill``: like a killed process, open connections are cut at once."""
+        self._stopping = True
+        for driver in self._rank_drivers:
+            await driver.stop()
         await super().stop(kill)
-        if self.kv_events is not None:
-            await self.kv_events.close()
+        for rank in self.dp.ranks:
+            if rank.kv_events is not None:
+                await rank.kv_events.close()
+
+    def _drivers(self) -> list[ModelDriver]:
+        """Every rank's driver, rank 0's first (none before start)."""
+        return [] if self._driver is None else [self._driver, *self._rank_drivers]
+
+    def _driver_of(self, rank: DPRank) -> ModelDriver:
+        return self.driver if rank.rank == 0 else self._rank_drivers[rank.rank - 1]
+
+    def _abort(self, rid: str) -> bool:
+        """Abort ``rid`` on whichever rank holds it."""
+        for driver in self._drivers():
+            if driver.abort(rid):
+                self.stats.aborts += 1
+                self.request_metrics.observe_aborted()
+                return True
+        return False
 
     @staticmethod
-    def _kv_publisher(config: SimConfig, index: int) -> KVEventPublisher | None:
-        """The KV event publisher when ``kv_events_config`` enables one (ports + index)."""
+    def _kv_publisher(config: SimConfig, offset: int, dp_rank: int) -> KVEventPublisher | None:
+        """The KV event publisher when ``kv_events_config`` enables one (ports + offset)."""
         if config.kv_events_config is None:
             return None
         from simulator.http.kv_publisher import KVEventPublisher  # optional extra
@@ -95,12 +138,18 @@ class SGLangCore(HttpWorker):
         if not kv_config.enabled:
             return None
         return KVEventPublisher(
-            kv_config, config.page_size, offset=index, legacy_array=config.kv_events_legacy_array
+            kv_config,
+            config.page_size,
+            offset=offset,
+            legacy_array=config.kv_events_legacy_array,
+            dp_rank=dp_rank,
         )
 
     # ------------------------------------------------------------------ request plumbing
     def _submit(self, gen: GenRequest, stream_outputs: bool) -> RequestHandle:
-        """Validate against the context length and queue; ValueError carries SGLang's text."""
+        """Validate (the DP rank, the context length, the rid) and queue on a rank;
+        ValueError carries SGLang's text."""
+        routed = self.dp.check(gen.dp_rank)
         prompt_len = len(gen.prompt_ids)
         if prompt_len >= self.context_length:
             raise ValueError(api.context_too_long(prompt_len, self.context_length))
@@ -124,7 +173,14 @@ class SGLangCore(HttpWorker):
             namespace=gen.namespace,
             stream=stream_outputs,
         )
-        return self.driver.submit(req)
+        if len(self.dp) == 1:
+            return self.driver.submit(req)
+        if any(driver.get(gen.rid) is not None for driver in self._drivers()):
+            raise ValueError(f"Duplicate request ID detected: {gen.rid}")
+        rank = self.dp.dispatch(routed)
+        handle = self._driver_of(rank).submit(req)
+        handle.dp_rank = rank.rank
+        return handle
 
     def _rid(self, body: dict[str, Any]) -> str:
         rid = body.get("rid")
@@ -141,12 +197,18 @@ class SGLangCore(HttpWorker):
         room leave the model."""
         result = self.loras.load(ref)
         if result.success:
-            now = self.driver.now() if self._driver is not None else 0.0
-            ready = now if waited else now + self.config.lora_load_s
-            self.engine.adapter_loading(ref.name, ready)
+            for rank in self.dp.ranks:
+                now = self._driver_of(rank).now() if self._driver is not None else 0.0
+                ready = now if waited else now + self.config.lora_load_s
+                rank.engine.adapter_loading(ref.name, ready)
             for name in result.evicted:
-                self.engine.adapter_unloaded(name)
+                self.adapter_unloaded(name)
         return result
+
+    def adapter_unloaded(self, name: str) -> None:
+        """``name`` was unloaded (or evicted): every rank forgets its weights."""
+        for rank in self.dp.ranks:
+            rank.engine.adapter_unloaded(name)
 
     def _adapter(self, body: dict[str, Any]) -> str | None:
         """The request's adapter, SGLang's way (``serving_base._resolve_lora_path``): the

@@ -7,7 +7,9 @@ fault, or while stopping); ``/ping`` and ``/ready`` answer at once. ``/server_in
 the configuration in SGLang's names. ``/v1/loads`` (``include``, ``dp_rank``,
 ``format=prometheus``) and the 0.5.5 list-shaped ``/get_load`` serve the model's load
 snapshot, ``/metrics`` its metrics snapshot: both lag like the real ones (see
-:mod:`simulator.model.radix_worker`). Latencies are in modelled seconds.
+:mod:`simulator.model.radix_worker`). Latencies are in modelled seconds. With DP ranks
+(:mod:`.dp`): health checks take turns among the ranks, ``internal_states``, the loads
+and the scheduler gauges have one entry per rank, the top-level figures are rank 0's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from simulator.config import SGLANG_VERSION
 from simulator.http import api, metrics
 from simulator.http.base import json_response
 from simulator.http.sglang.core import SGLangCore
+from simulator.http.sglang.dp import DPRank
 from simulator.model.lora import parse_lora_spec
 from simulator.model.requests import SimRequest
 
@@ -41,7 +44,7 @@ class InfoRoutes(SGLangCore):
             return web.Response(status=503)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        driver = self.driver
+        driver = self._driver_of(self.dp.health_rank())
         seen: asyncio.Future[None] = loop.create_future()
         driver.activity.append(seen)
         rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
@@ -87,7 +90,7 @@ class InfoRoutes(SGLangCore):
             "mem_fraction_static": 0.85,
             "tp_size": 1,
             "pp_size": 1,
-            "dp_size": 1,
+            "dp_size": cfg.dp_size,
             "ep_size": 1,
             "schedule_policy": cfg.schedule_policy,
             "schedule_conservativeness": 1.0,
@@ -118,21 +121,23 @@ class InfoRoutes(SGLangCore):
     async def _server_info(self, request: web.BaseRequest) -> web.StreamResponse:
         args = self.server_args()
         capacity = self.engine.cache.capacity
-        snap = self.engine.load_snapshot
         kv_gb = round(capacity * self.profile.kv_bytes_per_token / 2**30, 2)
-        internal = {
-            **args,
-            "last_gen_throughput": round(snap.gen_throughput, 2),
-            "memory_usage": {
-                "weight": self.profile.weight_gb,
-                "kvcache": kv_gb,
-                "startup_available": self.profile.gpu_memory_gb,
-                "token_capacity": capacity,
-                "token_capacity_swa": None,
-                "graph": {"cuda_graph": self.profile.graph_gb},
-            },
-            "effective_max_running_requests_per_dp": self.engine.max_running_requests,
-        }
+        internal_states = [
+            {
+                **args,
+                "last_gen_throughput": round(rank.engine.load_snapshot.gen_throughput, 2),
+                "memory_usage": {
+                    "weight": self.profile.weight_gb,
+                    "kvcache": kv_gb,
+                    "startup_available": self.profile.gpu_memory_gb,
+                    "token_capacity": capacity,
+                    "token_capacity_swa": None,
+                    "graph": {"cuda_graph": self.profile.graph_gb},
+                },
+                "effective_max_running_requests_per_dp": rank.engine.max_running_requests,
+            }
+            for rank in self.dp.ranks
+        ]
         return json_response(
             {
                 **args,
@@ -147,7 +152,7 @@ class InfoRoutes(SGLangCore):
                     "hicache_object_layout": {"pools": []},
                     "reason": "Hierarchical cache is disabled",
                 },
-                "internal_states": [internal],
+                "internal_states": internal_states,
                 "sim_lora_counters": {
                     "loads": self.loras.loads,
                     "reloads": self.loras.reloads,
@@ -156,7 +161,7 @@ class InfoRoutes(SGLangCore):
                 "version": SGLANG_VERSION,
                 "frontend": "python",
                 "launch_command": " ".join(shlex.quote(a) for a in sys.argv),
-                "kv_events": self.kv_events.descriptor() if self.kv_events else None,
+                "kv_events": self.kv_events.descriptor(len(self.dp)) if self.kv_events else None,
             }
         )
 
@@ -252,11 +257,10 @@ class InfoRoutes(SGLangCore):
                     f"Invalid include sections: {include - valid}. Valid options: {sorted(valid)}"
                 )
                 raise api.openai_error(400, message)
-        entry = self._load_entry(include)
-        loads = [entry]
+        loads = [self._load_entry(include, rank) for rank in self.dp.ranks]
         if "dp_rank" in query:
             try:
-                rank = int(query["dp_rank"])
+                wanted = int(query["dp_rank"])
             except ValueError:
                 raise api.validation_error(
                     [
@@ -268,7 +272,7 @@ class InfoRoutes(SGLangCore):
                         }
                     ]
                 ) from None
-            loads = [entry] if rank == 0 else []
+            loads = [entry for entry in loads if entry["dp_rank"] == wanted]
         if query.get("format") == "prometheus":
             return web.Response(
                 body=_loads_prometheus(loads).encode(), content_type="text/plain", charset="utf-8"
@@ -283,12 +287,12 @@ class InfoRoutes(SGLangCore):
             }
         )
 
-    def _load_entry(self, include: set[str] | None) -> dict[str, Any]:
-        snap = self.engine.load_snapshot
-        counters = self.engine.counters
+    def _load_entry(self, include: set[str] | None, rank: DPRank) -> dict[str, Any]:
+        snap = rank.engine.load_snapshot
+        counters = rank.engine.counters
         entry: dict[str, Any] = {
             "timestamp": time.time(),
-            "dp_rank": 0,
+            "dp_rank": rank.rank,
             "num_running_reqs": snap.num_running_reqs,
             "num_waiting_reqs": snap.num_waiting_reqs,
             "num_waiting_uncached_tokens": snap.num_waiting_uncached_tokens,
@@ -297,7 +301,7 @@ class InfoRoutes(SGLangCore):
             "num_active_tokens": snap.num_active_tokens,
             "num_prealloc_ready_tokens": 0,
             "max_total_num_tokens": snap.max_total_num_tokens,
-            "max_running_requests": self.engine.max_running_requests,
+            "max_running_requests": rank.engine.max_running_requests,
             "token_usage": round(snap.token_usage, 4),
             "gen_throughput": round(snap.gen_throughput, 2),
             "cache_hit_rate": round(snap.cache_hit_rate, 4),
@@ -350,24 +354,25 @@ class InfoRoutes(SGLangCore):
         return entry
 
     async def _get_load(self, request: web.BaseRequest) -> web.StreamResponse:
-        snap = self.engine.load_snapshot
+        snaps = [rank.engine.load_snapshot for rank in self.dp.ranks]
         return json_response(
             [
                 {
                     "rid": None,
                     "http_worker_ipc": None,
-                    "dp_rank": 0,
+                    "dp_rank": r,
                     "num_reqs": snap.num_running_reqs + snap.num_waiting_reqs,
                     "num_waiting_reqs": snap.num_waiting_reqs,
                     "num_tokens": snap.num_used_tokens + snap.num_waiting_tokens,
                 }
+                for r, snap in enumerate(snaps)
             ]
         )
 
     async def _metrics(self, request: web.BaseRequest) -> web.StreamResponse:
         body = metrics.render(
             self.model,
-            self.engine.metrics_snapshot,
+            [rank.engine.metrics_snapshot for rank in self.dp.ranks],
             self.request_metrics,
             self.config.page_size,
             self.context_length,

@@ -42,7 +42,7 @@ class LoraRoutes(SGLangCore):
         name = self._str_field(body, "lora_name")
         result = self.loras.unload(name)
         if result.success:
-            self.engine.adapter_unloaded(name)
+            self.adapter_unloaded(name)
         return self._lora_answer(result)
 
     @staticmethod

@@ -2,7 +2,9 @@
 (also under ``/v1/``).
 
 ``/generate`` takes ``text`` or ``input_ids``, one prompt or a list of them (a batch: answered
-as a list, never streamed; rids from a ``rid`` list, else ``rid_0``, ``rid_1``…). Without
+as a list, never streamed; rids from a ``rid`` list, else ``rid_0``, ``rid_1``…), and
+``routed_dp_rank`` (or ``data_parallel_rank``) for every prompt (:mod:`.dp`); with DP ranks
+``meta_info.dp_rank`` is the rank that served it. Without
 ``sampling_params.max_new_tokens`` a request runs to its natural stop or the context's end.
 A streamed answer repeats the cumulative ``text`` and ``output_ids`` with ``meta_info`` in
 every chunk. Errors have SGLang's native shape, ``{"error": ...}``, not OpenAI's.
@@ -22,6 +24,7 @@ from simulator.http import api
 from simulator.http.api import ApiError
 from simulator.http.base import json_response
 from simulator.http.sglang.core import SSE_HEADERS, GenRequest, SGLangCore
+from simulator.http.sglang.dp import routed_rank
 from simulator.model.driver import RequestHandle
 
 
@@ -30,6 +33,7 @@ class NativeRoutes(SGLangCore):
 
     # ------------------------------------------------------------------ /generate
     async def _generate(self, request: web.BaseRequest, body: dict[str, Any]) -> web.StreamResponse:
+        dp_rank = routed_rank(body, native=True)
         text, input_ids = body.get("text"), body.get("input_ids")
         if text is None and input_ids is None:
             message = "Either text, input_ids or input_embeds should be provided."
@@ -77,6 +81,7 @@ class NativeRoutes(SGLangCore):
                 namespace=self._namespace(body),
                 adapter=self._adapter(body),
                 stream=stream,
+                dp_rank=dp_rank,
             )
             for rid, prompt in zip(rids, prompts, strict=False)
         ]
@@ -122,6 +127,7 @@ class NativeRoutes(SGLangCore):
             e2e_latency=e2e,
             sent_ts=time.time(),
             timing=self._timing(handle) if self.config.enable_metrics else None,
+            dp_rank=handle.dp_rank,
         )
 
     @staticmethod

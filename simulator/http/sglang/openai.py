@@ -11,7 +11,8 @@ stream at once (a refused request is an ``error`` event); an abort mid-stream is
 ``continuous_usage_stats`` puts usage on every chunk; ``usage.prompt_tokens_details`` only
 with ``enable_cache_report``. A list of completion prompts runs as parallel requests (rids
 ``rid``, ``rid_1``…), not streamed. An embedding is a deterministic unit vector per input
-(there is no model to embed with).
+(there is no model to embed with). The DP rank: ``X-Data-Parallel-Rank``, else
+``routed_dp_rank``, else ``data_parallel_rank`` (:mod:`.dp`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from simulator.http import api
 from simulator.http.api import ApiError
 from simulator.http.base import json_response
 from simulator.http.sglang.core import SSE_HEADERS, GenRequest, SGLangCore
+from simulator.http.sglang.dp import routed_rank
 from simulator.model.driver import RequestHandle
 from simulator.model.requests import Finish
 
@@ -52,7 +54,7 @@ class OpenAIRoutes(SGLangCore):
                 prompt = self.tokenizer.encode_chat_request(body)
             except Exception as exc:  # a template that refuses the conversation (SGLang: 400)
                 raise api.bad_request(f"Error in applying chat template: {exc}") from None
-        gen, model, include_usage, continuous = self._openai_common(body, prompt, None)
+        gen, model, include_usage, continuous = self._openai_common(request, body, prompt, None)
         if not gen.stream:
             handle = self._submit_openai(gen)
             with self._aborting_on_exit(handle):
@@ -118,7 +120,11 @@ class OpenAIRoutes(SGLangCore):
         return resp
 
     def _openai_common(
-        self, body: dict[str, Any], prompt: list[int], default_max: int | None
+        self,
+        request: web.BaseRequest,
+        body: dict[str, Any],
+        prompt: list[int],
+        default_max: int | None,
     ) -> tuple[GenRequest, str, bool, bool]:
         n = self._int(body, "n", 1)
         if n != 1:
@@ -140,6 +146,7 @@ class OpenAIRoutes(SGLangCore):
             namespace=self._namespace(body),
             adapter=self._adapter(body),
             stream=bool(body.get("stream", False)),
+            dp_rank=routed_rank(body, native=False, headers=request.headers),
         )
         return (
             gen,
@@ -177,7 +184,7 @@ class OpenAIRoutes(SGLangCore):
             raise api.missing_field("prompt", body)
         prompts, texts = self._completion_prompts(body.get("prompt"))
         echo = bool(body.get("echo", False))
-        first, model, include_usage, continuous = self._openai_common(body, prompts[0], 16)
+        first, model, include_usage, continuous = self._openai_common(request, body, prompts[0], 16)
         if len(prompts) > 1 and first.stream:
             raise api.bad_request("The simulated worker does not stream batches.")
         if first.stream:
