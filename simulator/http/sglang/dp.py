@@ -20,7 +20,14 @@ each route answers it as its other ``ValueError``s (context too long).
 How a route reads the rank (:func:`routed_rank`): both fields are ``Optional[int]`` to
 pydantic (lax: ``true``, ``1.0`` and ``"1"`` are 1); ``/generate``'s JSON contract then
 wants a JSON integer in ``routed_dp_rank`` (``{"error": "invalid type: string \\"1\\",
-expected i64"}``); the OpenAI routes take ``X-Data-Parallel-Rank`` before the body.
+expected i64"}``); the OpenAI routes take ``X-Data-Parallel-Rank`` before the body
+(``x-override-routed-dp-rank`` needs ``SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES``, off by
+default, and is not modelled).
+
+All of this is read from SGLang 0.5.23's source (``tokenizer_manager``,
+``data_parallel_controller``, ``v1_loads``, ``metrics_collector``, ``output_streamer``,
+``runtime_context.describe_kv_events_publisher``), not checked against a server running
+with ``--dp-size`` (``tests/sglang`` runs one rank).
 """
 
 from __future__ import annotations
