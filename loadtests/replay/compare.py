@@ -2,9 +2,14 @@
 
 Each ``DIR`` (or ``DIR/summary.json``) is a finished replay; rows keep the given order.
 Columns: policy, token hit rate, hit efficiency against OPT and pooled LRU, TTFT mean /
-p90 / p99, prefill-work efficiency, load imbalance (mean over 60 s windows); the bounds of
-the first run head the table (the runs are expected to share a workload). ``--chart PNG``
-also draws hit rate against p99 TTFT, one point per run, with the OPT and pooled-LRU lines.
+p90 / p99, prefill-work efficiency, load imbalance (mean over 60 s windows), captured /
+available (``routing_capture``, actual); the bounds of the first run head the table (the
+runs are expected to share a workload). ``--chart PNG`` also draws hit rate against p99
+TTFT, one point per run, with the OPT and pooled-LRU lines.
+
+``compare --matrix SWEEP_DIR...``: several sweeps (one workload each, several policies:
+``sweep --policies``) as workload x policy tables of hit rate, p99 TTFT and captured /
+available.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ from typing import Any
 def _load(path: str) -> dict[str, Any]:
     p = Path(path)
     data: dict[str, Any] = json.loads((p / "summary.json" if p.is_dir() else p).read_text())
+    return data
+
+
+def _load_sweep(path: str) -> dict[str, Any]:
+    p = Path(path)
+    data: dict[str, Any] = json.loads((p / "sweep.json" if p.is_dir() else p).read_text())
     return data
 
 
@@ -44,8 +55,8 @@ def compare_table(summaries: Sequence[Mapping[str, Any]]) -> str:
         f"LRU pooled {_f(b['lru_pooled'], 3)}.",
         "",
         "| policy | hit rate | / OPT | / LRU pooled | TTFT mean | p90 | p99 (s) "
-        "| prefill-work eff. | imbalance |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| prefill-work eff. | imbalance | captured / available |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         t, e = s["ttft_s"], s["efficiency"]
@@ -53,9 +64,68 @@ def compare_table(summaries: Sequence[Mapping[str, Any]]) -> str:
             f"| {_label(s)} | {_f(s['hit_rate'], 3)} | {_f(e['opt'], 2)} | "
             f"{_f(e['lru_pooled'], 2)} | {_f(t['mean'], 2)} | {_f(t['p90'], 2)} | "
             f"{_f(t['p99'], 2)} | {_f(s['prefill_work_efficiency'], 2)} | "
-            f"{_f(s['load_imbalance']['mean'], 2)} |"
+            f"{_f(s['load_imbalance']['mean'], 2)} | {_f(captured_ratio(s), 3)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def captured_ratio(summary: Mapping[str, Any]) -> float | None:
+    """The run's actual captured / available (``routing_capture``), None if absent."""
+    capture = summary.get("routing_capture")
+    if not capture:
+        return None
+    value: float | None = capture["actual"]["captured_over_available"]
+    return value
+
+
+def _source(summary: Mapping[str, Any]) -> str:
+    """The run's workload: the trace's file name or the workload's name."""
+    config = summary.get("config", {})
+    trace = config.get("trace")
+    return Path(trace).stem if trace else str(config.get("workload", "?"))
+
+
+FIGURES: tuple[tuple[str, str, int], ...] = (
+    ("token hit rate", "hit_rate", 3),
+    ("TTFT p99 (s)", "p99", 2),
+    ("captured / available (actual)", "capture", 3),
+)
+
+
+def _figure(summary: Mapping[str, Any], key: str) -> float | None:
+    if key == "p99":
+        value: float | None = summary["ttft_s"]["p99"]
+        return value
+    if key == "capture":
+        return captured_ratio(summary)
+    hit: float | None = summary[key]
+    return hit
+
+
+def matrix_tables(sweeps: Sequence[Mapping[str, Any]]) -> str:
+    """Workloads (one sweep each) x policies: one Markdown table per figure of
+    :data:`FIGURES`, rows in the given order, columns in each policy's first appearance."""
+    rows: list[tuple[str, dict[str, Mapping[str, Any]]]] = []
+    policies: list[str] = []
+    for sweep in sweeps:
+        cells: dict[str, Mapping[str, Any]] = {}
+        for row in sweep["rows"]:
+            summary = row["summary"]
+            policy = _label(summary)
+            cells[policy] = summary
+            if policy not in policies:
+                policies.append(policy)
+        first = sweep["rows"][0]
+        rows.append((f"{_source(first['summary'])} x{first['time_scale']:g}", cells))
+    out: list[str] = []
+    for title, key, digits in FIGURES:
+        out += [f"{title}:", "", "| workload | " + " | ".join(policies) + " |",
+                "|---|" + "---|" * len(policies)]  # fmt: skip
+        for name, cells in rows:
+            values = [_f(_figure(cells[p], key), digits) if p in cells else "-" for p in policies]
+            out.append(f"| {name} | " + " | ".join(values) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def write_chart(path: Path, summaries: Sequence[Mapping[str, Any]], title: str) -> None:
@@ -86,6 +156,12 @@ def write_chart(path: Path, summaries: Sequence[Mapping[str, Any]], title: str) 
 
 def compare_main(argv: Sequence[str]) -> int:
     args = list(argv)
+    if args and args[0] == "--matrix":
+        if len(args) < 2:
+            print("usage: python -m loadtests.replay compare --matrix SWEEP_DIR [SWEEP_DIR ...]")
+            return 2
+        print(matrix_tables([_load_sweep(a) for a in args[1:]]), end="")
+        return 0
     chart: Path | None = None
     if "--chart" in args:
         at = args.index("--chart")

@@ -23,6 +23,12 @@ pure function of them; nothing is simulated.
   gateway's own fidelity counters), which a later admission can lower.
 * ``output_tokens_per_s``: Σ output tokens of finished requests / (last finish - first
   arrival), the fleet's output throughput over the run.
+* ``routing_capture``: per request the longest match anywhere (*available*), the match at
+  the chosen worker (*captured*) and the cached tokens the worker reported (*delivered*),
+  summed, with captured / available and delivered / available; ``actual`` from the
+  workers' caches at dispatch, ``predicted`` from what the gateway's index told the
+  policy (:func:`routing_capture`). Delivered can exceed available: a sibling dispatched
+  just before may be prefilled by the time this request's prefill starts.
 
 Without bounds (``bounds=None``: a run too long for OPT) every bound-derived figure is NaN.
 """
@@ -55,6 +61,9 @@ class RequestRecord:
     cached_tokens: int = 0  # reported by the worker with the first token
     first_token_s: float | None = None
     finish_s: float | None = None
+    # the longest match the gateway predicted on any candidate (the routing core's views);
+    # None when it consulted no index for this request (a policy that ignores the match)
+    available_predicted_tokens: int | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -124,6 +133,44 @@ def index_fidelity(records: Sequence[RequestRecord]) -> dict[str, float]:
     }
 
 
+def _capture(available: int, captured: int, delivered: int) -> dict[str, float]:
+    return {
+        "available_tokens": float(available),
+        "captured_tokens": float(captured),
+        "delivered_tokens": float(delivered),
+        "captured_over_available": _ratio(captured, available),
+        "delivered_over_available": _ratio(delivered, available),
+    }
+
+
+def routing_capture(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Available / captured / delivered cached tokens, summed over requests, two ways.
+
+    ``actual``: available = the longest real match on any worker at dispatch, captured =
+    the chosen worker's real match then, delivered = the cached tokens it reported (every
+    request; the same yardstick for every policy). ``predicted``: available = the longest
+    match the gateway's index (or exact mode) predicted on any candidate, captured = the
+    prediction for the chosen worker, delivered as above, over the requests for which the
+    gateway consulted an index (none for a policy that ignores the match: NaN ratios).
+    """
+    known = [r for r in records if r.available_predicted_tokens is not None]
+    return {
+        "actual": _capture(
+            sum(r.best_match_tokens for r in records),
+            sum(r.true_match_tokens for r in records),
+            sum(r.cached_tokens for r in records),
+        ),
+        "predicted": {
+            **_capture(
+                sum(r.available_predicted_tokens or 0 for r in known),
+                sum(r.predicted_tokens for r in known),
+                sum(r.cached_tokens for r in known),
+            ),
+            "requests": float(len(known)),
+        },
+    }
+
+
 def summarize(
     records: Sequence[RequestRecord],
     intervals: Sequence[BusyInterval],
@@ -170,6 +217,7 @@ def summarize(
         },
         "load_imbalance": load_imbalance(intervals, workers, window_s),
         "index_fidelity": index_fidelity(records),
+        "routing_capture": routing_capture(records),
         "worker_share": {w: _ratio(n, len(records)) for w, n in sorted(share.items())},
         "makespan_s": max(finished, default=0.0),
         "utilisation": _ratio(busy, span * len(workers)),

@@ -44,6 +44,7 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
          f"{_fmt(fid['recall'])} / {_fmt(fid['regret'])}"),
         ("precision against reported cached", _fmt(fid.get("precision_reported", math.nan))),
         ("output tokens/s", _fmt(summary.get("output_tokens_per_s", math.nan), 0)),
+        *capture_rows(summary.get("routing_capture")),
         ("worker share", " ".join(_fmt(v, 2) for v in summary["worker_share"].values())),
     ]  # fmt: skip
     exact = summary.get("exact")
@@ -58,6 +59,27 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         rows.append(("exact mode: KV-event batches", str(exact["batches"])))
     rows.append(("wall time (s)", _fmt(summary.get("wall_s", math.nan), 1)))
     return rows  # fmt: skip
+
+
+def capture_rows(capture: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """Rows for ``routing_capture`` (``metrics.routing_capture``), actual then predicted."""
+    if not capture:
+        return []
+    rows = []
+    for basis in ("actual", "predicted"):
+        c = capture[basis]
+        tokens = " / ".join(f"{c[k] or 0:,.0f}" for k in ("available_tokens", "captured_tokens",
+                                                           "delivered_tokens"))  # fmt: skip
+        rows.append((f"capture ({basis}): available / captured / delivered tokens", tokens))
+        rows.append((f"capture ({basis}): captured / available, delivered / available",
+                     f"{_fmt(_num(c['captured_over_available']))} / "
+                     f"{_fmt(_num(c['delivered_over_available']))}"))  # fmt: skip
+    return rows
+
+
+def _num(value: Any) -> Any:
+    """NaN for a figure ``summary.json`` stored as null."""
+    return math.nan if value is None else value
 
 
 def render_table(summary: Mapping[str, Any]) -> str:

@@ -224,11 +224,14 @@ class Simulation:
         k = self.gw.index(choice.worker)
         lease = self.core.dispatch(route, choice, now, exact)
         true_matches = [sim.true_match(prepared.prompt_key) for sim in self.sims]
+        available = None  # the longest predicted match, when an index was consulted
+        if choice.indexed or exact is not None:
+            available = max((v.matched_tokens for v in choice.views), default=0)
         record = RequestRecord(
             index=req.index, arrival_s=now, worker=choice.worker.id,
             prompt_tokens=prepared.prompt_tokens, output_tokens=req.max_tokens,
             predicted_tokens=choice.matched_tokens, true_match_tokens=true_matches[k],
-            best_match_tokens=max(true_matches),
+            best_match_tokens=max(true_matches), available_predicted_tokens=available,
         )  # fmt: skip
         self.records.append(record)
         self.reasons.append(choice.decision.reason)

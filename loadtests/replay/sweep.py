@@ -1,4 +1,5 @@
-"""``python -m loadtests.replay sweep``: a grid over policy arguments and time scales.
+"""``python -m loadtests.replay sweep``: a grid over policy arguments and time scales,
+for one policy (``--policy``) or several (``--policies a,b,c``: every policy on the grid).
 
 Every point is one :func:`loadtests.replay.run.run_replay` in a worker process
 (``ProcessPoolExecutor``, at most ``--jobs`` at once, default 2). Results: ``sweep.json``
@@ -19,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from loadtests.replay.report import json_safe
 from loadtests.replay.run import ReplayConfig, add_common_args, config_from_args, run_replay
 
 
@@ -50,11 +52,19 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
+def setting(row: Mapping[str, Any], with_policy: bool) -> str:
+    """A row's policy setting: its arguments as JSON, after its policy's name if asked."""
+    args = json.dumps(row["policy_args"], sort_keys=True)
+    return f"{row['policy']} {args}" if with_policy else args
+
+
 def goodput(rows: Sequence[Mapping[str, Any]], slo_s: float, quantile: str) -> dict[str, Any]:
-    """Per policy setting, the largest time scale meeting the SLO at ``quantile``."""
+    """Per policy setting, the largest time scale meeting the SLO at ``quantile``
+    (settings named by their arguments, after the policy when rows hold several)."""
     best: dict[str, Any] = {}
+    several = len({row.get("policy") for row in rows}) > 1
     for row in rows:
-        key = json.dumps(row["policy_args"], sort_keys=True)
+        key = setting(row, several)
         value = row["summary"]["ttft_s"][quantile]
         ok = value is not None and not math.isnan(value) and value <= slo_s
         if ok:
@@ -76,47 +86,60 @@ def sweep_main(argv: Sequence[str]) -> int:
     parser.add_argument("--slo-s", type=float, default=2.0, help="TTFT target (s)")
     parser.add_argument("--slo-quantile", choices=["p50", "p90", "p99"], default="p90")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--policies",
+        default="",
+        help="comma-separated policies, each run on the whole grid (default: --policy)",
+    )
     ns = parser.parse_args(argv)
     base = config_from_args(ns, 1.0)
     scales = [float(s) for s in ns.time_scales.split(",")]
+    policies = [p.strip() for p in ns.policies.split(",") if p.strip()] or [base.policy]
     configs = [
-        replace(base, policy_args={**base.policy_args, **args}, time_scale=scale)
-        for args in parse_grid(ns.grid) for scale in scales
+        replace(base, policy=policy, policy_args={**base.policy_args, **args}, time_scale=scale)
+        for policy in policies for args in parse_grid(ns.grid) for scale in scales
     ]  # fmt: skip
     with ProcessPoolExecutor(max_workers=max(1, min(ns.jobs, 2))) as pool:
         summaries = list(pool.map(_point, configs))
     rows = [
-        {"policy_args": c.policy_args, "time_scale": c.time_scale, "summary": s}
+        {"policy": c.policy, "policy_args": c.policy_args, "time_scale": c.time_scale,
+         "summary": s}
         for c, s in zip(configs, summaries, strict=True)
-    ]
+    ]  # fmt: skip
     result = {"rows": rows, "slo_s": ns.slo_s, "slo_quantile": ns.slo_quantile,
               "goodput_time_scale": goodput(rows, ns.slo_s, ns.slo_quantile)}  # fmt: skip
     out: Path = ns.out or Path("replay-sweep")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(result, indent=2, default=_nan_none) + "\n")
-    (out / "sweep.md").write_text(render_sweep(result, ns.policy))
-    print(render_sweep(result, ns.policy))
+    (out / "sweep.json").write_text(json.dumps(json_safe(result), indent=2) + "\n")
+    title = ", ".join(policies)
+    (out / "sweep.md").write_text(render_sweep(result, title))
+    print(render_sweep(result, title))
     try:
-        write_pareto(out / "pareto.png", rows, ns.policy)
+        write_pareto(out / "pareto.png", rows, title)
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): chart skipped")
     return 0
 
 
-def _nan_none(value: Any) -> Any:
-    return None
+def _n(value: Any, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.{digits}f}"
 
 
 def render_sweep(result: Mapping[str, Any], policy: str) -> str:
     lines = [f"policy {policy}: hit rate and TTFT per setting and time scale", "",
-             "| policy args | time scale | hit rate | OPT | TTFT mean | p90 | p99 |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| policy | policy args | time scale | hit rate | OPT | TTFT mean | p90 | p99 "
+             "| captured / available |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in result["rows"]:
         s, t = row["summary"], row["summary"]["ttft_s"]
+        capture = (s.get("routing_capture") or {}).get("actual", {})
         lines.append(
-            f"| {json.dumps(row['policy_args'], sort_keys=True)} | {row['time_scale']:g} | "
-            f"{s['hit_rate']:.3f} | {s['bounds']['opt']:.3f} | {t['mean']:.2f} | "
-            f"{t['p90']:.2f} | {t['p99']:.2f} |"
+            f"| {row.get('policy', policy)} | {json.dumps(row['policy_args'], sort_keys=True)} "
+            f"| {row['time_scale']:g} | {_n(s['hit_rate'], 3)} | {_n(s['bounds']['opt'], 3)} "
+            f"| {_n(t['mean'], 2)} | {_n(t['p90'], 2)} | {_n(t['p99'], 2)} "
+            f"| {_n(capture.get('captured_over_available'), 3)} |"
         )
     lines += ["", f"goodput at TTFT {result['slo_quantile']} <= {result['slo_s']} s "
               "(largest time scale meeting it):", ""]  # fmt: skip
@@ -141,8 +164,9 @@ def write_pareto(path: Path, rows: Sequence[Mapping[str, Any]], policy: str) -> 
         dots = ax.scatter([p[1] for p in pts], [p[0] for p in pts], s=14, label=f"x{scale:g}")
         ax.plot([pts[i][1] for i in front], [pts[i][0] for i in front], linewidth=1,
                 color=dots.get_facecolor()[0])  # fmt: skip
+        several = len({r.get("policy") for r in rows}) > 1
         for r, (hit, p99) in zip(group, pts, strict=True):
-            label = json.dumps(r["policy_args"], sort_keys=True)
+            label = setting(r, several)
             ax.annotate(label, (p99, hit), fontsize=5, xytext=(2, 2), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT p99 (s, log)")
