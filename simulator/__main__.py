@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import textwrap
@@ -14,7 +15,9 @@ from collections.abc import Sequence
 from simulator.config import SimConfig
 from simulator.faults import Faults
 from simulator.fleet import SimulatedFleet
+from simulator.model.disagg import TRANSFER_BACKENDS
 from simulator.model.profiles import DEFAULT_PROFILE, PROFILES
+from simulator.model.transfer import DEFAULT_TRANSFER_PROFILE, TRANSFER_PROFILES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"  {p.name:16} "
         + textwrap.fill(p.description, 79, initial_indent=" " * 19, subsequent_indent=" " * 19)[19:]
         for p in PROFILES.values()
+    )
+    transfers = "\n".join(
+        f"  {t.name:16} "
+        + textwrap.fill(t.description, 79, initial_indent=" " * 19, subsequent_indent=" " * 19)[19:]
+        for t in TRANSFER_PROFILES.values()
     )
     parser = argparse.ArgumentParser(
         prog="sglang-sim",
@@ -42,13 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
             "between slots), one batch per step on one thread, llama.cpp's HTTP API (/props,\n"
             "/slots, llamacpp:* /metrics, timings.cache_n). The capacity, page-size,\n"
             "max-running-requests, schedule-policy, cache-report and legacy-get-load flags\n"
-            "do not apply to it; --kv-events-config and --dp-size are refused."
+            "do not apply to it; --kv-events-config and --dp-size are refused.\n\n"
+            "--disaggregation-mode prefill|decode makes the workers one side of SGLang's\n"
+            "prefill/decode disaggregation (docs/PD.md): send the same request, with\n"
+            "bootstrap_host/bootstrap_port/bootstrap_room, to a prefill and a decode worker;\n"
+            "the prefill prefills with its radix cache, holds the KV while it moves (the\n"
+            "--transfer-profile link) and answers with one token; the decode waits for the\n"
+            "room's KV at the prefill's bootstrap port, then decodes and streams."
         ),
         epilog=(
             f"profiles:\n{profiles}\n\n"
             "faults can also be changed at run time: POST /_sim/faults with a JSON subset of\n"
             '{"error_rate", "error_status", "latency_s", "hang", "drop_mid_stream_after",\n'
-            '"fail_health"}; GET /_sim/stats for counters.\n\n'
+            '"fail_health", "transfer_fail_rate", "bootstrap_fail"}; GET /_sim/stats for\n'
+            "counters.\n\n"
+            f"transfer profiles (--transfer-profile):\n{transfers}\n\n"
             "example:\n  python -m simulator --workers 2 --base-port 31000 "
             "--capacity-tokens 200000 \\\n      --enable-metrics --enable-cache-report"
         ),
@@ -168,6 +184,43 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.2,
         help="modelled seconds to load one adapter (simulator's figure; default 0.2)",
     )
+    pd = parser.add_argument_group("prefill/decode disaggregation (SGLang's flags; docs/PD.md)")
+    pd.add_argument(
+        "--disaggregation-mode",
+        default="null",
+        choices=["null", "prefill", "decode"],
+        help="this worker's role (default null: not disaggregated)",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=8998,
+        help="a prefill's bootstrap server port, worker i on port+i (0: ephemeral); a "
+        "decode's assumed prefill port when a request's bootstrap_port is null (default 8998)",
+    )
+    pd.add_argument(
+        "--disaggregation-transfer-backend",
+        default="mooncake",
+        choices=list(TRANSFER_BACKENDS),
+        help="reported as SGLang's; 'fake' (decode only) serves requests without a prefill",
+    )
+    pd.add_argument(
+        "--transfer-profile",
+        default=DEFAULT_TRANSFER_PROFILE,
+        choices=sorted(TRANSFER_PROFILES),
+        help=f"the simulated KV link (default {DEFAULT_TRANSFER_PROFILE}; see below)",
+    )
+    for flag, env, what in (
+        ("bootstrap", "BOOTSTRAP", "a prefill waits for a request's decode side"),
+        ("waiting", "WAITING", "a decode waits for a room's KV"),
+    ):
+        variable = f"SGLANG_DISAGGREGATION_{env}_TIMEOUT"
+        pd.add_argument(
+            f"--{flag}-timeout-s",
+            type=float,
+            default=float(os.environ.get(variable, 300)),
+            help=f"modelled seconds {what} (default: ${variable}, else 300)",
+        )
     faults = parser.add_argument_group("faults (for tests)")
     faults.add_argument("--error-rate", type=float, default=0.0, help="fraction answered 5xx")
     faults.add_argument("--error-status", type=int, default=500, help="status of those errors")
@@ -177,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--drop-mid-stream-after", type=int, default=None, help="cut streams after N chunks"
     )
     faults.add_argument("--fail-health", action="store_true", help="health endpoints answer 503")
+    faults.add_argument(
+        "--transfer-fail-rate",
+        type=float,
+        default=0.0,
+        help="prefill: fraction of KV transfers failing",
+    )
+    faults.add_argument(
+        "--bootstrap-fail", action="store_true", help="prefill: the bootstrap server answers 503"
+    )
     return parser
 
 
@@ -209,6 +271,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras,
         lora_load_s=args.lora_load_s,
+        disaggregation_mode=args.disaggregation_mode,
+        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+        disaggregation_transfer_backend=args.disaggregation_transfer_backend,
+        transfer_profile=args.transfer_profile,
+        bootstrap_timeout_s=args.bootstrap_timeout_s,
+        waiting_timeout_s=args.waiting_timeout_s,
         faults=Faults(
             error_rate=args.error_rate,
             error_status=args.error_status,
@@ -216,6 +284,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             hang=args.hang,
             drop_mid_stream_after=args.drop_mid_stream_after,
             fail_health=args.fail_health,
+            transfer_fail_rate=args.transfer_fail_rate,
+            bootstrap_fail=args.bootstrap_fail,
         ),
     )
 

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 import orjson
 
 from simulator.faults import Faults
+from simulator.model.disagg import check_disaggregation
 from simulator.model.lora import parse_lora_spec
 from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
+from simulator.model.transfer import DEFAULT_TRANSFER_PROFILE
 
 SGLANG_VERSION = "0.5.23"
 ENGINES = ("sglang", "llamacpp")
@@ -68,6 +70,17 @@ class SimConfig:
     # SGLang's --dp-size: data-parallel ranks behind one HTTP server, each a whole
     # replica (its own radix cache of capacity_tokens, queues and scheduler)
     dp_size: int = 1
+    # prefill/decode disaggregation (docs/PD.md): SGLang's --disaggregation-mode,
+    # --disaggregation-bootstrap-port (a prefill's bootstrap server; worker i of a fleet on
+    # port + i; 0: ephemeral) and --disaggregation-transfer-backend; the simulator's link
+    # (simulator.model.transfer) and SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT and
+    # SGLANG_DISAGGREGATION_WAITING_TIMEOUT, in modelled seconds
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    transfer_profile: str = DEFAULT_TRANSFER_PROFILE
+    bootstrap_timeout_s: float = 300.0
+    waiting_timeout_s: float = 300.0
 
     def resolved_profile(self) -> Profile:
         return get_profile(self.profile)
@@ -107,6 +120,14 @@ class SimConfig:
         if self.chat_template is not None and self.tokenizer_path is None:
             raise ValueError("chat_template needs tokenizer_path")
         self._validate_lora()
+        check_disaggregation(
+            self.disaggregation_mode,
+            self.disaggregation_transfer_backend,
+            self.disaggregation_bootstrap_port,
+            self.transfer_profile,
+            (self.bootstrap_timeout_s, self.waiting_timeout_s),
+            self.engine != "sglang" or self.dp_size != 1,
+        )
 
     def _validate_lora(self) -> None:
         """SGLang's asserts in ``check_lora_server_args`` (0.5.23), same wording."""

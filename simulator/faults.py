@@ -9,7 +9,17 @@ Scope, so that a test knows what it breaks:
 * ``hang``: inference requests never get an answer (until the client goes away);
 * ``drop_mid_stream_after``: a streaming response's connection is cut after that many
   ``data:`` chunks (``null``: never);
-* ``fail_health``: ``/health``, ``/health_generate``, ``/ping`` and ``/ready`` answer 503.
+* ``fail_health``: ``/health``, ``/health_generate``, ``/ping`` and ``/ready`` answer 503;
+* ``transfer_fail_rate`` (a prefill server of a PD pair, docs/PD.md): that fraction of KV
+  transfers fails, as SGLang's do: the prefill answers 500 ``Prefill transfer failed…``,
+  the decode side 500 ``Decode transfer failed…``;
+* ``bootstrap_fail`` (a prefill server): its bootstrap server answers 503 to everything,
+  as if it were down: decode servers' handshakes fail (``Decode handshake failed…``) and
+  their waits lose the prefill (``Lost connection with prefill instance…``), while the
+  prefill's requests wait for a decode side until the bootstrap timeout.
+
+Killing one side of a PD pair is :meth:`simulator.fleet.SimulatedFleet.stop_worker` (or
+``stop(kill=True)``): a prefill's bootstrap server goes down with it.
 
 Control and observation endpoints (``/_sim/*``, ``/metrics``, ``/v1/loads``, info routes)
 are never affected.
@@ -30,10 +40,14 @@ class Faults:
     hang: bool = False
     drop_mid_stream_after: int | None = None
     fail_health: bool = False
+    transfer_fail_rate: float = 0.0
+    bootstrap_fail: bool = False
 
     def validate(self) -> None:
         if not 0.0 <= self.error_rate <= 1.0:
             raise ValueError("error_rate must be within [0, 1]")
+        if not 0.0 <= self.transfer_fail_rate <= 1.0:
+            raise ValueError("transfer_fail_rate must be within [0, 1]")
         if not 100 <= self.error_status <= 599:
             raise ValueError("error_status must be an HTTP status code")
         if self.latency_s < 0:
@@ -48,14 +62,18 @@ class Faults:
         if unknown:
             raise ValueError(f"unknown fault fields: {sorted(unknown)}")
         candidate = Faults(**{**asdict(self), **changes})
-        for name, kind in (("error_rate", float), ("latency_s", float)):
+        for name, kind in (
+            ("error_rate", float),
+            ("latency_s", float),
+            ("transfer_fail_rate", float),
+        ):
             value = getattr(candidate, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{name} must be a number")
             setattr(candidate, name, kind(value))
         if isinstance(candidate.error_status, bool) or not isinstance(candidate.error_status, int):
             raise ValueError("error_status must be an integer")
-        for name in ("hang", "fail_health"):
+        for name in ("hang", "fail_health", "bootstrap_fail"):
             if not isinstance(getattr(candidate, name), bool):
                 raise ValueError(f"{name} must be a boolean")
         drop = candidate.drop_mid_stream_after

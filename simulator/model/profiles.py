@@ -19,7 +19,9 @@ ratios, never by absolute times.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +183,13 @@ DEFAULT_PROFILE = "llama3-8b-h100"
 
 
 def get_profile(name: str) -> Profile:
+    return named(PROFILES, name, "profile")
+
+
+def named(table: dict[str, _T], name: str, kind: str) -> _T:
+    """``table[name]``, else ``ValueError`` naming the ``kind`` and the known names."""
     try:
-        return PROFILES[name]
+        return table[name]
     except KeyError:
-        known = ", ".join(sorted(PROFILES))
-        raise ValueError(f"unknown profile {name!r}; known: {known}") from None
+        known = ", ".join(sorted(table))
+        raise ValueError(f"unknown {kind} {name!r}; known: {known}") from None

@@ -10,9 +10,10 @@ from simulator.http.sglang.info import InfoRoutes
 from simulator.http.sglang.lora import LoraRoutes
 from simulator.http.sglang.native import NativeRoutes
 from simulator.http.sglang.openai import OpenAIRoutes
+from simulator.http.sglang.pd import PDRoutes
 
 
-class SimulatedWorker(OpenAIRoutes, NativeRoutes, InfoRoutes, AdminRoutes, LoraRoutes):
+class SimulatedWorker(PDRoutes, OpenAIRoutes, NativeRoutes, InfoRoutes, AdminRoutes, LoraRoutes):
     """One simulated SGLang worker: model, driver, HTTP server, faults and stats.
 
     ``model`` is the served model name (what ``/v1/models`` reports); ``engine`` is the
