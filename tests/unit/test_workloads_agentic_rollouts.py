@@ -7,15 +7,19 @@ from __future__ import annotations
 import itertools
 from collections import Counter, defaultdict
 
+import aiohttp
 import orjson
 import pytest
 
 from gateway.routing.request import ApiKind, RequestSettings, parse_request
+from loadtests.harness.inprocess import run_gateway
 from loadtests.replay.prompts import PromptBuilder
 from loadtests.workloads import WorkloadRequest, create_workload, workload_names
+from simulator.fleet import SimConfig, SimulatedFleet
 from simulator.model.radix_cache import encode_tokens
 from simulator.model.tokenizer import default_tokenizer
 
+MODEL = "sim-model"
 SMALL_AGENTS = ["agents=6", "agent_types=2", "steps=4", "system_prompt_len=120", "tools=3",
                 "tool_description_len=20", "task_len=30", "call_len=10", "result_len=40",
                 "agent_rate=2"]  # fmt: skip
@@ -145,3 +149,29 @@ def test_rollouts_order_and_group_key() -> None:
     assert all(len(r.messages) == 1 and r.messages[0].role == "user" for r in bare.requests)
     with pytest.raises(ValueError, match="order"):
         create_workload("rollouts", ["order=random"])
+
+
+async def _cached(session: aiohttp.ClientSession, url: str, req: WorkloadRequest) -> int:
+    """The cached tokens the worker reports for ``req`` sent through the gateway."""
+    body = req.body(MODEL, stream=False)
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        usage = (await resp.json())["usage"]
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+async def test_both_run_live_through_the_gateway() -> None:
+    """The bodies are accepted by the gateway and a simulated SGLang worker (tools, tool
+    calls, tool messages); an agent's next step and a group's next sample hit the cache."""
+    agent = next(iter(_by_agent(create_workload("agentic", SMALL_AGENTS).requests).values()))
+    group = create_workload("rollouts", SMALL_ROLLOUTS).requests[:3]
+    config = SimConfig(speed=1000, capacity_tokens=40_000)
+    async with (
+        await SimulatedFleet.start(2, config) as fleet,
+        run_gateway(fleet.urls, policy__name="dynamo_kv") as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        steps = [await _cached(session, gw.url, r) for r in agent]
+        samples = [await _cached(session, gw.url, r) for r in group]
+    assert steps[0] < steps[1] < steps[2] < steps[3]  # each step reuses the one before
+    assert samples[0] < samples[1] == samples[2] > 0
