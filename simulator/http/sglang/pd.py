@@ -279,7 +279,8 @@ class PDRoutes(InfoRoutes):
         if self.bootstrap is not None:
             await self.bootstrap.start()
         if self.decode_model is not None:
-            self._session = aiohttp.ClientSession()
+            # one long poll per waiting request: no cap on connections to the prefills
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         try:
             await super().start()
         except BaseException:
