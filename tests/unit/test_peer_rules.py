@@ -35,7 +35,7 @@ def test_peers_are_registered_with_their_published_defaults() -> None:
         "name": "aibrix_prefix", "imbalance_abs_count": 8, "std_factor": 1.0,
     }  # fmt: skip
     assert create_policy("preble_e2").describe() == {
-        "name": "preble_e2", "decode_tokens": 45, "rebalance_factor": 1.5,
+        "name": "preble_e2", "decode_tokens": 45, "rebalance_factor": 1.5, "window": 512,
     }  # fmt: skip
     for name in PEERS:
         assert create_policy(name).uses_prefix_match
@@ -62,28 +62,37 @@ def test_bad_parameters_are_refused(name: str, params: dict[str, object]) -> Non
 # --- Dynamo: the lowest weighted cost -------------------------------------------------------
 
 
-def _dynamo_views() -> list[WorkerView]:
-    # a: holds 600 of the 1000-token prompt, half of its 2000 KV tokens busy with live
-    # requests; b: idle, holds nothing.
-    busy = EngineLoad(token_usage=0.5)
-    return [
-        WorkerView("a", matched_tokens=600, capacity_tokens=2000, engine_load=busy),
-        WorkerView("b", capacity_tokens=2000),
-    ]
+def _dynamo_with_history(policy: DynamoKvPolicy) -> list[WorkerView]:
+    # a: one live request that added 1000 prompt tokens, and 600 of this 1000-token
+    # prompt cached; b: idle, holds nothing.
+    policy.select(_ctx([WorkerView("a")]))  # the only candidate: 1000 tokens added on a
+    return [WorkerView("a", in_flight=1, matched_tokens=600), WorkerView("b")]
 
 
 def test_dynamo_picks_the_lowest_weighted_cost() -> None:
-    views = _dynamo_views()
     policy = DynamoKvPolicy()
-    # a: prefill (0 + 1000 - 600) + decode (1000 live + 400 new) = 1800; b: 1000 + 1000
+    views = _dynamo_with_history(policy)
+    # a: prefill (0 + 1000 - 600) + decode (1000 active + 400 new) = 1800; b: 1000 + 1000
+    assert policy.active_tokens(views[0]) == 1000
     assert policy.logit(views[0], 1000) == pytest.approx(1800)
     assert policy.logit(views[1], 1000) == pytest.approx(2000)
     decision = policy.select(_ctx(views))
     assert decision.worker_id == "a" and decision.reason == "prefix_hit"
     assert decision.scores == pytest.approx({"a": 1800, "b": 2000})
     # a smaller prefill scale makes the decode blocks count more: b wins
-    light = DynamoKvPolicy(prefill_load_scale=0.1).select(_ctx(views))
-    assert light.worker_id == "b" and light.reason == "load"
+    light = DynamoKvPolicy(prefill_load_scale=0.1)
+    decision = light.select(_ctx(_dynamo_with_history(light)))
+    assert decision.worker_id == "b" and decision.reason == "load"
+
+
+def test_dynamo_active_blocks_are_the_newest_in_flight_requests() -> None:
+    policy = DynamoKvPolicy()
+    for matched in (0, 700, 900):  # three requests to a, adding 1000, 300 and 100 tokens
+        policy.select(_ctx([WorkerView("a", matched_tokens=matched)]))
+    assert [policy.active_tokens(WorkerView("a", in_flight=k)) for k in (0, 1, 2, 3, 9)] == [
+        0, 100, 400, 1400, 1400,
+    ]  # fmt: skip
+    assert policy.active_tokens(WorkerView("b", in_flight=5)) == 0
 
 
 def test_dynamo_queued_prefill_and_overlap_credit() -> None:
@@ -226,45 +235,73 @@ def test_aibrix_match_percentages_truncate_and_ties_go_to_the_less_loaded() -> N
 
 # --- Preble E2: exploit when the cached part is longer, else explore by cost -------------------
 
-_UNIT = WorkerCost(prefill_per_token_s=1e-3, prefill_fixed_s=0.0, decode_step_s=0.0,
-                   prefill_pair_s=0.0)  # fmt: skip
+_UNIT = WorkerCost(
+    prefill_per_token_s=1e-3, prefill_fixed_s=0.0, decode_step_s=0.0, prefill_pair_s=0.0
+)
 
 
-def _preble(a_queued: int, a_match: int, b_match: int) -> list[WorkerView]:
+def _assign(policy: PrebleE2Policy, worker: str, tokens: int, times: int = 1) -> None:
+    """Record ``times`` decisions of ``tokens`` uncached tokens (``tokens`` ms) to ``worker``."""
+    for _ in range(times):
+        policy.select(_ctx([WorkerView(worker, cost=_UNIT)], prompt=tokens))
+
+
+def _preble(policy: PrebleE2Policy, a_load: int, a_match: int, b_match: int) -> list[WorkerView]:
+    """a and b with ``a_load`` and 1000 ms of recent prefill, holding parts of a 1000-token
+    prompt."""
+    _assign(policy, "a", a_load)
+    _assign(policy, "b", 1000)
     return [
-        WorkerView("a", queued_prefill_tokens=a_queued, matched_tokens=a_match, cost=_UNIT),
-        WorkerView("b", queued_prefill_tokens=1000, matched_tokens=b_match, cost=_UNIT),
+        WorkerView("a", matched_tokens=a_match, cost=_UNIT),
+        WorkerView("b", matched_tokens=b_match, cost=_UNIT),
     ]
 
 
 def test_preble_exploits_a_prefix_longer_than_the_rest() -> None:
     # a holds 700 of 1000 (> 300 left): exploit, although explore would pick b
-    # (a: L 1.45 + R 0.3 = 1.75 s, b: 1.0 + 0.4 = 1.4 s); a's load is within 1.5x b's
-    views = _preble(1450, 700, 600)
+    # (a: L 1.45 + R 0.3 = 1.75 s, b: 1.0 + 0.4 = 1.4 s)
     policy = PrebleE2Policy()
+    views = _preble(policy, 1450, 700, 600)
     assert policy.load_s(views[0]) == pytest.approx(1.45)
     assert policy.running_s(views[0], 1000) == pytest.approx(0.3)
     decision = policy.select(_ctx(views))
     assert decision.worker_id == "a" and decision.reason == "prefix_hit"
     assert decision.scores == pytest.approx({"a": 1.75, "b": 1.4})
+    assert policy.load_s(views[0]) == pytest.approx(1.75)  # its prefill joins the window
 
 
 def test_preble_explores_by_load_and_running_cost_otherwise() -> None:
     # a holds 400 of 1000 (< 600 left): explore, lowest L + R: b (1.0 + 0.7 < 1.45 + 0.6)
-    decision = PrebleE2Policy().select(_ctx(_preble(1450, 400, 300)))
+    policy = PrebleE2Policy()
+    decision = policy.select(_ctx(_preble(policy, 1450, 400, 300)))
     assert decision.worker_id == "b" and decision.reason == "load"
 
 
 def test_preble_rebalances_a_holder_above_one_and_a_half_the_lightest_load() -> None:
-    views = _preble(1600, 700, 600)  # a's load 1.6 s > 1.5 x 1.0 s: explore, b wins
-    assert PrebleE2Policy().select(_ctx(views)).worker_id == "b"
-    assert PrebleE2Policy(rebalance_factor=0).select(_ctx(views)).worker_id == "a"
-    assert PrebleE2Policy(rebalance_factor=2.0).select(_ctx(views)).worker_id == "a"
+    # a's recent load 1.6 s > 1.5 x b's 1.0 s: after the warm-up (50 decisions per
+    # worker), the holder is not exploited; explore picks b (1.0 + 0.4 < 1.6 + 0.3)
+    warm = PrebleE2Policy()
+    _assign(warm, "elsewhere", 1, times=100)
+    assert warm.select(_ctx(_preble(warm, 1600, 700, 600))).worker_id == "b"
+    cold = PrebleE2Policy()  # no rebalancing during the warm-up
+    _assign(cold, "elsewhere", 1, times=97)
+    assert cold.select(_ctx(_preble(cold, 1600, 700, 600))).worker_id == "a"
+    for factor, expected in ((0.0, "a"), (2.0, "a")):
+        policy = PrebleE2Policy(rebalance_factor=factor)
+        _assign(policy, "elsewhere", 1, times=100)
+        assert policy.select(_ctx(_preble(policy, 1600, 700, 600))).worker_id == expected
 
 
-def test_preble_decode_owed_counts_in_the_load() -> None:
+def test_preble_load_is_a_window_of_recent_prefill_and_the_decode_owed() -> None:
+    policy = PrebleE2Policy(window=2)
+    _assign(policy, "a", 300)
+    _assign(policy, "a", 200)
+    assert policy.load_s(WorkerView("a", cost=_UNIT)) == pytest.approx(0.5)
+    _assign(policy, "b", 100)  # the window holds two decisions: a's first drops out
+    assert policy.load_s(WorkerView("a", cost=_UNIT)) == pytest.approx(0.2)
+    _assign(policy, "b", 100)
+    assert policy.load_s(WorkerView("a", cost=_UNIT)) == 0.0
     stepped = WorkerCost(prefill_per_token_s=1e-3, prefill_fixed_s=0.0, decode_step_s=0.01)
-    decoding = WorkerView("a", in_flight=2, decoding_requests=2, cost=stepped)
+    decoding = WorkerView("c", in_flight=2, decoding_requests=2, cost=stepped)
     assert PrebleE2Policy().load_s(decoding) == pytest.approx(2 * 45 * 0.01)
     assert PrebleE2Policy(decode_tokens=10).load_s(decoding) == pytest.approx(0.2)
-    assert PrebleE2Policy().load_s(WorkerView("b", cost=stepped)) == 0.0
