@@ -11,6 +11,7 @@ that know concrete policy classes; nothing here is module-level state.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import random
 import time
@@ -21,10 +22,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.config import ConfigError, GatewayConfig, PolicyConfig, validate_worker_url
+from gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    PolicyConfig,
+    parse_prefill_spec,
+    validate_worker_url,
+)
 from gateway.config.allowlist import HostAllowList
 from gateway.config.policyspec import parse_policy_spec
-from gateway.config.workerspec import configured_kind, parse_worker_spec
+from gateway.config.workerspec import SGLANG, configured_kind, parse_worker_spec
 from gateway.exact.choice import load_choice
 from gateway.exact.manager import FollowedWorker, KVEventsManager
 from gateway.forward.credentials import worker_credentials, worker_key_exposed
@@ -50,7 +57,7 @@ from gateway.telemetry.tracing import TracingConfig
 from gateway.workers.engine_load import LoadPoller
 from gateway.workers.health import HealthChecker
 from gateway.workers.outlier import OutlierDetector
-from gateway.workers.registry import Worker, WorkerRegistry
+from gateway.workers.registry import DECODE, PREFILL, Worker, WorkerRegistry
 from policies.base import Policy
 from policies.min_ttft import MinTtftPolicy
 from policies.registry import POLICIES, create_policy
@@ -83,6 +90,27 @@ def make_named_policy(
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _prefill_policy(config: GatewayConfig) -> PolicyConfig:
+    """The policy of the routing core: ``policy``, or in PD mode ``pd.prefill_policy``
+    when set (the prefill side is where the prefix cache is)."""
+    pd = config.pd
+    if pd.enabled and pd.prefill_policy and pd.prefill_policy != config.policy.name:
+        return dataclasses.replace(config.policy, name=pd.prefill_policy, params={})
+    return config.policy
+
+
+def make_decode_core(config: GatewayConfig, core: RoutingCore) -> RoutingCore | None:
+    """PD mode's second core: ``pd.decode_policy`` over the decode workers (the prefix
+    index and cost model are the prefill core's; a decode policy that ignores the match,
+    the default, never reads them). None outside PD mode."""
+    if not config.pd.enabled:
+        return None
+    cfg = PolicyConfig(name=config.pd.decode_policy, seed=config.policy.seed)
+    return RoutingCore(
+        make_policy_set(cfg), core.index, core.costs, random.Random(cfg.seed), core.tokens
+    )
+
+
 def make_policy_set(cfg: PolicyConfig) -> PolicySet:
     """The live policy, its shadows and its A/B arm; ConfigError names the problem."""
     shadows = []
@@ -94,6 +122,19 @@ def make_policy_set(cfg: PolicyConfig) -> PolicySet:
         name, params = _spec(cfg.ab_policy, "policy.ab_policy")
         ab = make_named_policy(cfg, name, params, "policy.ab_policy")
     return PolicySet(make_policy(cfg), tuple(shadows), ab, cfg.ab_fraction if ab else 0.0)
+
+
+def make_model_policy_sets(config: GatewayConfig) -> dict[str, PolicySet]:
+    """Per ``models:`` entry with a policy of its own, its set (no shadows, no A/B arm:
+    those stay top-level); ConfigError names ``models.<name>.policy.*``."""
+    sets: dict[str, PolicySet] = {}
+    for model, entry in config.models.items():
+        if entry.policy is not None:
+            cfg, where = entry.policy.as_policy(), f"models.{model}.policy"
+            params_key, name_key = f"{where}.params", f"{where}.name"
+            policy = make_named_policy(cfg, cfg.name, cfg.params, params_key, name_key)
+            sets[model] = PolicySet(policy)
+    return sets
 
 
 def _spec(spec: str, where: str) -> tuple[str, dict[str, Any]]:
@@ -130,6 +171,11 @@ def build_app(
     for spec in config.workers:
         url, kind = parse_worker_spec(spec)
         registry.add(validate_worker_url(url), kind or configured_kind(config.worker_kind))
+    for spec in config.pd.prefill:  # PD mode (validated: these are the only workers)
+        url, port = parse_prefill_spec(spec)
+        registry.add(url, SGLANG, PREFILL, port)
+    for spec in config.pd.decode:
+        registry.add(validate_worker_url(spec.strip()), SGLANG, DECODE)
     req = config.request
     app[app_keys.CONFIG] = config
     app[app_keys.REGISTRY] = registry
@@ -143,10 +189,11 @@ def build_app(
     app[app_keys.DECISIONS] = DecisionLog(config.decisions.ring_size)
     app[app_keys.TASKS] = TaskSet()
     app[app_keys.TELEMETRY] = telemetry
-    policies = make_policy_set(config.policy)
+    policies = make_policy_set(_prefill_policy(config))
     app[tuning.TUNING] = telemetry.tuning
     seeded = rng or random.Random(config.policy.seed)
-    app.cleanup_ctx.append(lambda a: _runtime(a, policies, seeded))
+    per_model = make_model_policy_sets(config)
+    app.cleanup_ctx.append(lambda a: _runtime(a, policies, seeded, per_model))
     handlers.add_routes(app)
     admin.add_routes(app)
     app[admin.ALLOWLIST] = HostAllowList(config.server.worker_allowlist)
@@ -337,7 +384,10 @@ def _policy_control(
 
 
 async def _runtime(
-    app: web.Application, policies: PolicySet, rng: random.Random
+    app: web.Application,
+    policies: PolicySet,
+    rng: random.Random,
+    per_model: Mapping[str, PolicySet],
 ) -> AsyncIterator[None]:
     """The runtime's whole life in one place (~70 lines, on purpose): what is built here
     is torn down in the ``finally`` in reverse order, and reading both halves side by
@@ -380,6 +430,7 @@ async def _runtime(
         rng,
         routing.tokens,
         ttft_estimate(),
+        model_policies=per_model,
     )
     app[tuning.POLICY_CONTROL] = _policy_control(config, core, telemetry, snapshot)
     app[app_keys.ROUTER] = Router(
@@ -392,6 +443,7 @@ async def _runtime(
         hooks=TelemetryHooks(telemetry),
         slots=routing.slots,
         exact=exact,
+        decode_core=make_decode_core(config, core),
     )
     if shared is not None:
         shared.start()

@@ -18,7 +18,7 @@ from typing import IO, Any
 
 from aiohttp import web
 
-from gateway.app import build_app, make_policy_set
+from gateway.app import build_app, make_model_policy_sets, make_policy_set
 from gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -246,6 +246,31 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "lora.affinity",
         {"action": "store_false", "help": "route adapter requests as if adapter-blind"},
     ),
+    "--pd-disaggregation": (
+        "pd.enabled",
+        {"action": "store_true", "help": "prefill/decode disaggregation: --prefill/--decode pairs"},
+    ),
+    "--prefill": (
+        "pd.prefill",
+        {
+            "action": "append",
+            "nargs": "+",
+            "metavar": ("URL", "BOOTSTRAP_PORT"),
+            "help": "a prefill worker and its bootstrap port (a number or none; repeatable)",
+        },
+    ),
+    "--decode": (
+        "pd.decode",
+        {"action": "append", "metavar": "URL", "help": "a decode worker (repeatable)"},
+    ),
+    "--prefill-policy": (
+        "pd.prefill_policy",
+        {"help": "PD: policy choosing the prefill worker (default: --policy)"},
+    ),
+    "--decode-policy": (
+        "pd.decode_policy",
+        {"help": "PD: policy choosing the decode worker (default least_load)"},
+    ),
     "--redis-url": (
         "redis.url",
         {"help": "share state with other gateways: redis://HOST:PORT/DB or rediss://"},
@@ -300,12 +325,16 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     policy_args = args.pop("policy_args", [])
     base = read_yaml(config_path) if config_path else {}
     overrides: dict[str, Any] = dict(args)
+    if "pd.prefill" in overrides:  # --prefill URL [PORT], repeated: one "URL PORT" each
+        overrides["pd.prefill"] = [" ".join(v) for v in overrides["pd.prefill"]]
     if policy_args:
         overrides["policy.params"] = _policy_params(policy_args)
     try:
         config = config_from_dict(merge(base, overrides))
         # refuse bad policy parameters, and a set that cannot decide, before starting
         tuning.rehearse(make_policy_set(config.policy))
+        for model, policies in make_model_policy_sets(config).items():
+            tuning.rehearse(policies, f"models.{model}.policy")
         if config.kv_events.enabled == "true":  # auto: a failure is a worker's reason
             load_choice(config.kv_events)
         return config

@@ -186,6 +186,19 @@ LORA_UNLOADED = ("load", "reject")
 
 
 @dataclass(frozen=True, slots=True)
+class PDConfig:
+    """Prefill/decode disaggregation (docs/PD.md), sglang-router's flags."""
+
+    enabled: bool = False  # --pd-disaggregation
+    # --prefill URL [BOOTSTRAP_PORT]: "URL", "URL PORT" or "URL none" (none: the port the
+    # worker's /server_info tells, else null and the servers' own default)
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()  # --decode URL
+    prefill_policy: str | None = None  # --prefill-policy; None: policy.name
+    decode_policy: str = "least_load"  # --decode-policy: by running batch and KV use
+
+
+@dataclass(frozen=True, slots=True)
 class LoraConfig:
     # A request naming a LoRA adapter (model "base:adapter", or lora_path) goes only to
     # workers that have it loaded (their /v1/models cards with a parent); false: adapters
@@ -301,6 +314,10 @@ class KVEventsConfig:
     # worker serves under (served_model_name, model path); models absent here use
     # `tokenizer`.
     tokenizers: Mapping[str, str] = field(default_factory=dict)
+    # Per model: a chat template file for its "hf:<dir>" tokenizer in `tokenizers` (as
+    # `chat_template` is for `tokenizer`). `models.<name>.tokenizer` and `.chat_template`
+    # are folded into these two tables when the config is built (config_from_dict).
+    chat_templates: Mapping[str, str] = field(default_factory=dict)
     # A worker whose model has no tokenizer above: use the one its /server_info names
     # (tokenizer_path, and chat_template if set), when that is an absolute local
     # directory with a tokenizer.json (a gateway beside its workers, or shared model
@@ -352,6 +369,41 @@ class RedisConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelPolicyConfig:
+    """A model's own policy (``models.<name>.policy``): the top-level section's name,
+    parameters and cache_aware flags, with the same defaults (not the top-level values).
+    Shadows, A/B arms and the seed stay top-level."""
+
+    name: str = "min_ttft"
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_policy(self) -> PolicyConfig:
+        """The equivalent top-level section (what the policy factory takes)."""
+        return PolicyConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Settings of the requests for one model (``models.<name>``), keyed by a name its
+    workers serve under (served_model_name, model path: what ``Worker.serves`` matches).
+    Every key is optional; what is unset is the top-level one."""
+
+    # Its own policy set (gateway.routing.decide.RoutingCore.policies_for); None: `policy`.
+    policy: ModelPolicyConfig | None = None
+    # server.request_timeout_s and server.first_byte_timeout_s for its requests; None:
+    # the server's. first_byte_timeout_s 0: none for this model.
+    request_timeout_s: float | None = None
+    first_byte_timeout_s: float | None = None
+    # Exact mode's tokenizer and chat template for this model: folded into
+    # kv_events.tokenizers / kv_events.chat_templates (one table decides: exact.choice).
+    tokenizer: str = ""
+    chat_template: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     workers: tuple[str, ...] = ()  # worker URLs registered at start, each may end in #kind
@@ -363,10 +415,13 @@ class GatewayConfig:
     # spreads requests over its ranks itself.
     dp_aware: bool = True
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # Per model (a name its workers serve under): policy, timeouts, tokenizer.
+    models: Mapping[str, ModelConfig] = field(default_factory=dict)
     prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     request: RequestConfig = field(default_factory=RequestConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
@@ -424,6 +479,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(key, value, inner[0])
+    if dataclasses.is_dataclass(tp):  # a section inside a mapping (models.<name>.policy)
+        return _build(tp, {} if value is None else value, f"{key}.")  # type: ignore[arg-type]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -451,6 +508,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin in (Mapping, dict) or tp is Mapping:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and dataclasses.is_dataclass(args[1]):  # models: {name: section}
+            return {str(k): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
         return {str(k): v for k, v in value.items()}
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # pragma: no cover
 
@@ -488,10 +548,12 @@ def validate(cfg: GatewayConfig) -> None:
     _validate_timeouts(cfg)
     _validate_workers(cfg)
     _validate_policy(cfg.policy)
+    _validate_models(cfg)
     _validate_kv_events(cfg.kv_events)
     _validate_sections(cfg)
     _validate_outlier(cfg.outlier)
     _validate_redis(cfg.redis)
+    _validate_pd(cfg)
 
 
 def _validate_server(s: ServerConfig) -> None:
@@ -667,44 +729,109 @@ def _validate_security(s: ServerConfig) -> None:
     _check(s.max_header_size >= 256, "server.max_header_size", "must be ≥ 256", s.max_header_size)
 
 
-def _validate_policy(p: PolicyConfig) -> None:
+def parse_prefill_spec(spec: str) -> tuple[str, int | None]:
+    """``"URL"``, ``"URL PORT"`` or ``"URL none"`` → (URL, bootstrap port or None);
+    ValueError saying why (sglang-router's rule: a port in 1..65535, or none)."""
+    parts = spec.split()
+    if not 1 <= len(parts) <= 2:
+        raise ValueError(f"expected URL [BOOTSTRAP_PORT], got {spec!r}")
+    url = validate_worker_url(parts[0])
+    if len(parts) == 1 or parts[1].lower() == "none":
+        return url, None
+    port = parts[1]
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"bootstrap port must be 1..65535 or none, got {port!r}")
+    return url, int(port)
+
+
+def _validate_pd(cfg: GatewayConfig) -> None:
+    pd = cfg.pd
+    if not pd.enabled:
+        for key, value in (("pd.prefill", pd.prefill), ("pd.decode", pd.decode)):
+            _check(not value, key, "needs pd.enabled (--pd-disaggregation)", list(value))
+        return
+    _check(bool(pd.prefill), "pd.prefill", "PD mode needs at least one prefill worker", [])
+    _check(bool(pd.decode), "pd.decode", "PD mode needs at least one decode worker", [])
+    _check(
+        not cfg.workers,
+        "workers",
+        "in PD mode every worker is --prefill or --decode, not --worker-urls",
+        list(cfg.workers),
+    )
+    _check(
+        cfg.redis.url is None,
+        "redis.url",
+        "shared state does not carry worker roles yet: not with pd.enabled",
+        cfg.redis.url,
+    )
+    seen: dict[str, str] = {}
+    for key, specs in (("pd.prefill", pd.prefill), ("pd.decode", pd.decode)):
+        for i, spec in enumerate(specs):
+            try:
+                if key == "pd.prefill":
+                    url, _ = parse_prefill_spec(spec)
+                else:
+                    url = validate_worker_url(spec.strip())
+            except ValueError as exc:
+                raise ConfigError(f"{key}[{i}]: {exc}") from None
+            _check(url not in seen, f"{key}[{i}]", f"already listed in {seen.get(url)}", url)
+            seen[url] = key
+    from policies.registry import policy_names
+
+    names = policy_names()
+    for key, name in (
+        ("pd.prefill_policy", pd.prefill_policy),
+        ("pd.decode_policy", pd.decode_policy),
+    ):
+        _check(
+            name is None or name in names,
+            key,
+            f"unknown policy; choose one of {', '.join(names)}",
+            name,
+        )
+
+
+def _validate_policy(p: PolicyConfig, where: str = "policy") -> None:
     # Imported here: policies are pure and cheap, but config must not fix their table.
     from policies.registry import policy_names
 
     names = policy_names()
     _check(
-        p.name in names, "policy.name", f"unknown policy; choose one of {', '.join(names)}", p.name
+        p.name in names,
+        f"{where}.name",
+        f"unknown policy; choose one of {', '.join(names)}",
+        p.name,
     )
     _check(
         0.0 <= p.cache_threshold <= 1.0,
-        "policy.cache_threshold",
+        f"{where}.cache_threshold",
         "must be in 0..1",
         p.cache_threshold,
     )
     _check(
         p.balance_abs_threshold >= 0,
-        "policy.balance_abs_threshold",
+        f"{where}.balance_abs_threshold",
         "must be ≥ 0",
         p.balance_abs_threshold,
     )
     _check(
         p.balance_rel_threshold >= 1.0,
-        "policy.balance_rel_threshold",
+        f"{where}.balance_rel_threshold",
         "must be ≥ 1",
         p.balance_rel_threshold,
     )
-    for key, spec in [*((f"policy.shadows[{i}]", s) for i, s in enumerate(p.shadows)),
-                      *([("policy.ab_policy", p.ab_policy)] if p.ab_policy else [])]:  # fmt: skip
+    for key, spec in [*((f"{where}.shadows[{i}]", s) for i, s in enumerate(p.shadows)),
+                      *([(f"{where}.ab_policy", p.ab_policy)] if p.ab_policy else [])]:  # fmt: skip
         try:
             name, _ = parse_policy_spec(spec)
         except ValueError as exc:
             raise ConfigError(f"{key}: {exc}") from None
         _check(name in names, key, f"unknown policy; choose one of {', '.join(names)}", spec)
-    _check(0.0 <= p.ab_fraction <= 1.0, "policy.ab_fraction", "must be in 0..1", p.ab_fraction)
+    _check(0.0 <= p.ab_fraction <= 1.0, f"{where}.ab_fraction", "must be in 0..1", p.ab_fraction)
     _check(
         p.ab_fraction == 0.0 or p.ab_policy is not None,
-        "policy.ab_fraction",
-        "needs policy.ab_policy",
+        f"{where}.ab_fraction",
+        f"needs {where}.ab_policy",
         p.ab_fraction,
     )
 
@@ -789,35 +916,99 @@ def _validate_kv_events(k: KVEventsConfig) -> None:
     specs = [("kv_events.tokenizer", k.tokenizer)]
     specs += [(f"kv_events.tokenizers.{m}", v) for m, v in k.tokenizers.items()]
     for key, spec in specs:
-        _check(
-            isinstance(spec, str) and (spec == "" or spec.startswith(TOKENIZER_SCHEMES)),
-            key,
-            "must be 'hf:<directory>' or 'python:<module>:<factory>'",
-            spec,
-        )
+        _check_tokenizer(key, spec)
     _check(
         k.enabled != "true" or bool(k.tokenizer) or bool(k.tokenizers),
         "kv_events.tokenizer",
         "must name the workers' tokenizer when kv_events.enabled is true",
         k.tokenizer,
     )
+    _check_template("kv_events.chat_template", k.chat_template, k.tokenizer, "kv_events.tokenizer")
+    for m, template in k.chat_templates.items():
+        key, tokenizer = f"kv_events.chat_templates.{m}", k.tokenizers.get(m, "")
+        _check_template(key, template, tokenizer, f"kv_events.tokenizers.{m}")
+
+
+def _check_tokenizer(key: str, spec: object) -> None:
     _check(
-        not k.chat_template or Path(k.chat_template).is_file(),
-        "kv_events.chat_template",
-        "must be a readable file",
-        k.chat_template,
+        isinstance(spec, str) and (spec == "" or spec.startswith(TOKENIZER_SCHEMES)),
+        key,
+        "must be 'hf:<directory>' or 'python:<module>:<factory>'",
+        spec,
     )
+
+
+def _check_template(key: str, template: object, tokenizer: str, tokenizer_key: str) -> None:
+    """A chat template file for the ``hf:`` tokenizer ``tokenizer`` (named by
+    ``tokenizer_key``)."""
+    _check(isinstance(template, str), key, "expected a file name", template)
+    assert isinstance(template, str)
+    _check(not template or Path(template).is_file(), key, "must be a readable file", template)
     _check(
-        not k.chat_template or k.tokenizer.startswith("hf:"),
-        "kv_events.chat_template",
-        "applies to an hf:<directory> tokenizer (kv_events.tokenizer)",
-        k.chat_template,
+        not template or tokenizer.startswith("hf:"),
+        key,
+        f"applies to an hf:<directory> tokenizer ({tokenizer_key})",
+        template,
     )
+
+
+# --- models: per-model settings -----------------------------------------------------
+
+
+def _validate_models(cfg: GatewayConfig) -> None:
+    for name, m in cfg.models.items():
+        where = f"models.{name}"
+        _check(bool(name.strip()), where, "a model name must not be empty", name)
+        if m.policy is not None:
+            _validate_policy(m.policy.as_policy(), f"{where}.policy")
+        _check(
+            m.request_timeout_s is None or m.request_timeout_s > 0,
+            f"{where}.request_timeout_s",
+            "must be > 0 (null: server.request_timeout_s)",
+            m.request_timeout_s,
+        )
+        _check(
+            m.first_byte_timeout_s is None or m.first_byte_timeout_s >= 0,
+            f"{where}.first_byte_timeout_s",
+            "must be ≥ 0 (0: off; null: server.first_byte_timeout_s)",
+            m.first_byte_timeout_s,
+        )
+
+
+def with_model_tokenizers(cfg: GatewayConfig) -> GatewayConfig:
+    """``models.<name>.tokenizer`` / ``.chat_template`` folded into
+    ``kv_events.tokenizers`` / ``kv_events.chat_templates`` (exact mode reads only those);
+    ConfigError names the ``models`` key that is malformed or contradicts them."""
+    k = cfg.kv_events
+    tokenizers, templates = dict(k.tokenizers), dict(k.chat_templates)
+    for name, m in cfg.models.items():
+        where = f"models.{name}"
+        _check_tokenizer(f"{where}.tokenizer", m.tokenizer)
+        for key, value, table, other in (
+            ("tokenizer", m.tokenizer, tokenizers, "kv_events.tokenizers"),
+            ("chat_template", m.chat_template, templates, "kv_events.chat_templates"),
+        ):
+            _check(
+                not value or table.get(name, value) == value,
+                f"{where}.{key}",
+                f"differs from {other}.{name} ({table.get(name)!r})",
+                value,
+            )
+            if value:
+                table[name] = value
+        tokenizer_key = f"{where}.tokenizer" if m.tokenizer else f"kv_events.tokenizers.{name}"
+        _check_template(
+            f"{where}.chat_template", m.chat_template, tokenizers.get(name, ""), tokenizer_key
+        )
+    if tokenizers == k.tokenizers and templates == k.chat_templates:
+        return cfg
+    kv = dataclasses.replace(k, tokenizers=tokenizers, chat_templates=templates)
+    return dataclasses.replace(cfg, kv_events=kv)
 
 
 def config_from_dict(data: Mapping[str, Any]) -> GatewayConfig:
     """Build and validate a config from nested plain data (YAML, overrides merged)."""
-    cfg: GatewayConfig = _build(GatewayConfig, data, "")
+    cfg: GatewayConfig = with_model_tokenizers(_build(GatewayConfig, data, ""))
     validate(cfg)
     return cfg
 

@@ -2,11 +2,13 @@
 
 Exact mode needs the token ids the worker itself computes, so the tokenizer follows the
 worker's model: ``kv_events.tokenizers`` maps a model name (any name the worker serves
-under: ``served_model_name``, its model path) to a spec, ``kv_events.tokenizer`` (with
-``kv_events.chat_template``) is the default for every other model. A worker whose model
-has no tokenizer, or whose tokenizer could not be loaded (a missing optional package, a
-bad directory), stays in approximate mode, and :meth:`TokenizerChoice.for_models` says
-why (shown per worker in ``/workers`` and on the dashboard).
+under: ``served_model_name``, its model path) to a spec (with its chat template in
+``kv_events.chat_templates``; ``models.<name>.tokenizer`` and ``.chat_template`` are folded
+into these two by the config), ``kv_events.tokenizer`` (with ``kv_events.chat_template``)
+is the default for every other model. A worker whose model has no tokenizer, or whose
+tokenizer could not be loaded (a missing optional package, a bad directory), stays in
+approximate mode, and :meth:`TokenizerChoice.for_models` says why (shown per worker in
+``/workers`` and on the dashboard).
 
 Loading is strict (``kv_events.enabled: true``: any failure refuses the configuration)
 or lenient (``auto``: a failure is one warning and a reason). Each spec is loaded once
@@ -69,7 +71,10 @@ def load_choice(k: KVEventsConfig) -> TokenizerChoice:
     the key), else each failure becomes a logged reason."""
     strict = k.enabled == "true"
     specs = [("", "kv_events.tokenizer", k.tokenizer, k.chat_template)]
-    specs += [(m, f"kv_events.tokenizers.{m}", s, "") for m, s in sorted(k.tokenizers.items())]
+    specs += [
+        (m, f"kv_events.tokenizers.{m}", s, k.chat_templates.get(m, ""))
+        for m, s in sorted(k.tokenizers.items())
+    ]
     default: Tokenizer | None = None
     per_model: dict[str, Tokenizer] = {}
     problems: dict[str, str] = {}

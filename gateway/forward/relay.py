@@ -96,6 +96,7 @@ class AttemptFailed(Exception):
         self.status = status
         self.body = body
         self.headers = dict(headers or {})
+        self.worker: str | None = None  # which worker failed, when the caller must say (PD)
 
 
 @dataclass(slots=True)
@@ -137,9 +138,12 @@ async def send(
     body: bytes,
     headers: list[tuple[str, str]],
     deadline: float,
+    first_byte_timeout_s: float | None = None,
 ) -> UpstreamResponse:
+    """Send one attempt; ``first_byte_timeout_s`` (None: the pool's) bounds its head."""
     try:
-        return await pool.request(url, upstream_target(path), headers, body, deadline)
+        target = upstream_target(path)
+        return await pool.request(url, target, headers, body, deadline, first_byte_timeout_s)
     except ValueError as exc:  # nothing was sent: the client's input cannot go upstream
         raise GatewayError(400, f"the request cannot be forwarded: {exc}") from None
     except UpstreamError as exc:
@@ -197,8 +201,11 @@ async def relay(
     extra_headers: Mapping[str, str],
     started: float,
     on_first_byte: Callable[[], None],
+    transform: Callable[[bytes], bytes] | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
-    """Relay ``upstream`` to the client (see the module contract)."""
+    """Relay ``upstream`` to the client (see the module contract). ``transform`` rewrites
+    a 2xx answer on its way (a non-streamed body whole; whole events of a stream, LF
+    line ends, as they complete), after the usage figures were read from it."""
     status = upstream.status
     limits = upstream.limits
     if (status >= 500 or status == 429) and not final:
@@ -213,15 +220,23 @@ async def relay(
         if (upstream.header("content-encoding") or "identity").strip().lower() != "identity":
             upstream.close()
             raise AttemptFailed("connect", "the worker encoded its event stream")
-        return await _relay_sse(request, upstream, extra_headers, started, on_first_byte)
+        return await _relay_sse(request, upstream, extra_headers, started, on_first_byte, transform)
     body = await _read_body(upstream, limits.max_body_bytes)
     on_first_byte()
+    outcome = Outcome(status, cached_tokens=cached_tokens(body), prompt_tokens=prompt_tokens(body))
+    outcome.output_tokens = output_tokens(body)
+    if transform is not None and 200 <= status < 300:
+        body = transform(body)
     response = web.Response(
         status=status, body=body, headers=_response_headers(upstream, extra_headers)
     )
-    outcome = Outcome(status, cached_tokens=cached_tokens(body), prompt_tokens=prompt_tokens(body))
-    outcome.output_tokens = output_tokens(body)
     return response, outcome
+
+
+async def read_whole(upstream: UpstreamResponse) -> bytes:
+    """The rest of ``upstream``'s body, bounded by the pool's ``max_body_bytes``;
+    AttemptFailed if the worker drops it, times out or exceeds the bound."""
+    return await _read_body(upstream, upstream.limits.max_body_bytes)
 
 
 async def _read_body(upstream: UpstreamResponse, limit: int) -> bytes:
@@ -283,6 +298,7 @@ async def _relay_sse(
     extra_headers: Mapping[str, str],
     started: float,
     on_first_byte: Callable[[], None],
+    transform: Callable[[bytes], bytes] | None,
 ) -> tuple[web.StreamResponse, Outcome]:
     chunk = await _first_chunk(upstream)
     outcome = Outcome(status=200, ttft_s=time.perf_counter() - started)
@@ -306,6 +322,8 @@ async def _relay_sse(
                         last_usage = events
                     if b'"prompt_tokens"' in events:
                         last_prompt = events
+                    if transform is not None:
+                        events = transform(events)
                     await _write(response, events, watch, loop)
                     delivered = framer.done
                     if delivered:
@@ -315,7 +333,7 @@ async def _relay_sse(
             else:
                 events = framer.end()  # the body ended cleanly: a last unterminated event
                 if events:
-                    await _write(response, events, watch, loop)
+                    await _write(response, transform(events) if transform else events, watch, loop)
                     delivered = framer.done
                 if not framer.done:
                     raise UpstreamError("dropped", "the stream ended without [DONE]")

@@ -22,10 +22,11 @@ Contract:
   value may hold CR, LF or NUL: else ``ValueError`` and nothing is sent.
 - Every wait (connect, head, body) ends at the request's ``deadline`` (loop time) with
   ``TimeoutError``. The head must also come within ``first_byte_timeout_s`` of sending
-  (0: no such bound), else :class:`FirstByteTimeout` (a ``TimeoutError``). A worker silent
-  for ``read_idle_timeout_s`` while the gateway waits for it (checked four times per
-  period, so cut between 1x and 1.25x of it; 0: never) is cut and the pending read
-  raises ``TimeoutError``; time the gateway spends not reading (its buffer full because
+  (the pool's, or the request's own: a model's; 0: no such bound), else
+  :class:`FirstByteTimeout` (a ``TimeoutError``). A worker silent for
+  ``read_idle_timeout_s`` while the gateway waits for it (checked four times per period,
+  so cut between 1x and 1.25x of it; 0: never) is cut and the pending read raises
+  ``TimeoutError``; time the gateway spends not reading (its buffer full because
   the client is slow: back-pressure) is not the worker's silence.
 - Framing, by llhttp: ``Content-Length``, ``chunked``, or until close; no body for 1xx,
   204 and 304; interim 1xx heads are skipped; ``101`` and transfer codings other than
@@ -229,12 +230,15 @@ class UpstreamPool:
         headers: Iterable[tuple[str, str]],
         body: bytes,
         deadline: float,
+        first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
+        """``first_byte_timeout_s``: this request's (0: none), None: the pool's."""
         target = self._target(base_url)
         head = request_head(target.host_header, path, headers, len(body))
         conn = self._take(target) or await self._connect(target, deadline)
         loop = asyncio.get_running_loop()
-        head_by = min(deadline, loop.time() + self._first_byte) if self._first_byte else deadline
+        first = self._first_byte if first_byte_timeout_s is None else first_byte_timeout_s
+        head_by = min(deadline, loop.time() + first) if first else deadline
         response = UpstreamResponse(self, target, conn, deadline, head_by)
         transport = conn.transport
         assert transport is not None

@@ -1,10 +1,12 @@
 """Worker administration, compatible with sglang-router's API.
 
 Contract:
-- ``POST /workers {"url": ..., "kind": ...}``: validates the URL (http/https, host, port;
-  else 400) and the optional kind (``sglang``, ``llamacpp``, ``vllm``, ``openai``, ``auto``;
-  a ``url#kind`` suffix works too; absent: the ``worker_kind`` setting), registers the
-  worker, probes it once at once, and answers 201 with its live state (200 if it was
+- ``POST /workers {"url": ..., "kind": ..., "worker_type": ..., "bootstrap_port": ...}``:
+  validates the URL (http/https, host, port; else 400) and the optional kind (``sglang``,
+  ``llamacpp``, ``vllm``, ``openai``, ``auto``; a ``url#kind`` suffix works too; absent:
+  the ``worker_kind`` setting), and sglang-router's ``worker_type`` (``regular``; in PD
+  mode ``prefill``, with its ``bootstrap_port``, or ``decode``: SGLang workers), registers
+  the worker, probes it once at once, and answers 201 with its live state (200 if it was
   already registered).
 - ``GET /workers``: every worker's live state; ``GET /workers/{id}``: one (404 if unknown);
   ``DELETE /workers/{id}``: removes it (in-flight requests finish; the prefix index and
@@ -24,10 +26,10 @@ from aiohttp import web
 
 from gateway.config import validate_worker_url
 from gateway.config.allowlist import HostAllowList, NotAllowed
-from gateway.config.workerspec import configured_kind, parse_worker_spec
+from gateway.config.workerspec import SGLANG, configured_kind, parse_worker_spec
 from gateway.errors import GatewayError
 from gateway.http import app_keys
-from gateway.workers.registry import HealthFlag, Worker
+from gateway.workers.registry import PREFILL, REGULAR, ROLES, HealthFlag, Worker
 
 ALLOWLIST = web.AppKey("worker_allowlist", HostAllowList)  # set by gateway.app
 
@@ -75,13 +77,44 @@ def _worker(request: web.Request) -> Worker:
     return worker
 
 
-async def _add(request: web.Request, raw_url: object, kind: object = None) -> web.Response:
+def _role_from(pd_mode: bool, worker_type: object, port: object) -> tuple[str, int | None]:
+    """sglang-router's ``worker_type`` (and a prefill's ``bootstrap_port``), checked
+    against the gateway's mode: PD mode takes prefill and decode workers only."""
+    role = REGULAR if worker_type is None else worker_type
+    if role not in ROLES:
+        raise GatewayError(
+            400, f"'worker_type' must be one of {', '.join(ROLES)}", param="worker_type"
+        )
+    if pd_mode and role == REGULAR:
+        raise GatewayError(
+            400, "in PD mode a worker's worker_type is prefill or decode", param="worker_type"
+        )
+    if not pd_mode and role != REGULAR:
+        raise GatewayError(
+            400, f"a {role} worker needs PD mode (--pd-disaggregation)", param="worker_type"
+        )
+    if port is not None and (role != PREFILL or type(port) is not int or not 1 <= port <= 65535):
+        raise GatewayError(
+            400, "'bootstrap_port' is a prefill worker's port, 1..65535", param="bootstrap_port"
+        )
+    return str(role), port if isinstance(port, int) else None
+
+
+async def _add(
+    request: web.Request,
+    raw_url: object,
+    kind: object = None,
+    worker_type: object = None,
+    bootstrap_port: object = None,
+) -> web.Response:
     url, parsed, given = _spec_from(raw_url, kind)
     app = request.app
+    config = app[app_keys.CONFIG]
+    role, port = _role_from(config.pd.enabled, worker_type, bootstrap_port)
     if not given:
-        parsed = configured_kind(app[app_keys.CONFIG].worker_kind)
+        parsed = SGLANG if role != REGULAR else configured_kind(config.worker_kind)
     await _allowed(app, url)
-    worker, created = app[app_keys.REGISTRY].add(url, parsed)
+    worker, created = app[app_keys.REGISTRY].add(url, parsed, role, port)
     if created:
         await app[app_keys.HEALTH].check_now(worker)
     return _json(worker.describe(time.monotonic()), 201 if created else 200)
@@ -94,7 +127,9 @@ async def post_workers(request: web.Request) -> web.Response:
         raise GatewayError(400, "request body is not valid JSON") from None
     if not isinstance(body, dict) or "url" not in body:
         raise GatewayError(400, "expected a JSON object with a 'url'", param="url")
-    return await _add(request, body["url"], body.get("kind"))
+    return await _add(
+        request, body["url"], body.get("kind"), body.get("worker_type"), body.get("bootstrap_port")
+    )
 
 
 def _described(app: web.Application, workers: list[Worker]) -> list[dict[str, Any]]:

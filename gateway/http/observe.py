@@ -3,10 +3,11 @@
 - :func:`telemetry_middleware` begins each API request's telemetry (span parented on the
   client's ``traceparent``; route label = the API path) and finishes requests the router
   never saw (400, 401, 413, admission 429/503) with worker ``none``.
-- :class:`TelemetryHooks` implements the router's ``RouterHooks``: decisions, failed
-  attempts, the end of a request (status, TTFT and reported cached tokens from the
-  decision record's outcome) and the trace headers for the worker. Without the middleware
-  it begins the request's telemetry itself at the first decision.
+- :class:`TelemetryHooks` implements the router's ``RouterHooks``: the request's served
+  base model (its ``model`` label), decisions, failed attempts, the end of a request
+  (status, TTFT and reported cached tokens from the decision record's outcome) and the
+  trace headers for the worker. Without the middleware it begins the request's
+  telemetry itself at its first call.
 - :class:`RegistrySnapshot` is the scrape-time :data:`SnapshotProvider`: it copies the
   registry's, the prefix index's and admission's figures. Reads only; O(workers).
 
@@ -94,6 +95,9 @@ class TelemetryHooks(RouterHooks):
     def decided(self, record: DecisionRecord) -> None:
         self._request(record.request_id, record.model).decided(record)
         self._t.tuning.decided(record)
+
+    def model_served(self, request_id: str, model: str | None) -> None:
+        self._request(request_id, None).model_label = self._t.model_label(model)
 
     def completed(self, req: RouteRequest, record: DecisionRecord) -> None:
         self._t.tuning.finished(record)
@@ -213,6 +217,7 @@ class RegistrySnapshot:
             index_mode=MODE_APPROXIMATE if self.modes is None else self.modes.mode(w.id),
             index_mode_reason=EXACT_OFF if self.modes is None else self.modes.reason(w.id),
             mode_fidelity=() if self.modes is None else self._fidelity(w.id),
+            role=w.role,
         )
 
     def _fidelity(self, worker_id: str) -> list[tuple[str, int, int, int, int]]:

@@ -11,6 +11,9 @@ Contract:
   reason and the running set stays; a good one is swapped into the routing core in one assignment
   between two decisions (``RoutingCore.configure``). Every attempt is logged and counted
   (``gateway_policy_changes_total{result}``) and listed for the dashboard.
+- Only the top-level policy set changes: the sets of ``models:`` entries with a policy
+  of their own are fixed at start (``GET /admin/policy`` lists them under ``models``),
+  and their requests keep being routed by them whatever is changed here.
 - ``GET /admin/policy``: the running set and its config, and the recent changes.
   ``PUT /admin/policy``: a JSON object of ``policy`` keys merged over the running
   section (``{"name": "cache_aware", "params": {...}}``, ``"shadows": [...]``,
@@ -72,6 +75,8 @@ class PolicyControl:
             "running": self._core.policies.describe(),
             "config": _plain(dataclasses.asdict(self.config)),
             "changes": list(self._tuning.recent_changes),
+            # models: entries' own sets; a change here leaves them (they need a restart)
+            "models": {m: s.describe() for m, s in self._core.model_policies.items()},
         }
 
     def update(self, changes: Mapping[str, Any], source: str) -> PolicySet:
@@ -126,14 +131,14 @@ def _rehearsal_contexts() -> list[RouteContext]:
     return [ctx(idle[:1]), ctx(idle), ctx(busy, "rehearsal")]
 
 
-def rehearse(policies: PolicySet) -> None:
-    """Run every policy of ``policies`` on a few made-up decisions; ConfigError names the
-    first that raises or picks a worker it was not offered. Mutates the policies' state:
-    rehearse a copy of the set that will route."""
-    named: list[tuple[str, Policy]] = [("policy.name", policies.live)]
-    named += [(f"policy.shadows[{i}]", p) for i, p in enumerate(policies.shadows)]
+def rehearse(policies: PolicySet, where: str = "policy") -> None:
+    """Run every policy of ``policies`` (the section at ``where``) on a few made-up
+    decisions; ConfigError names the first that raises or picks a worker it was not
+    offered. Mutates the policies' state: rehearse a copy of the set that will route."""
+    named: list[tuple[str, Policy]] = [(f"{where}.name", policies.live)]
+    named += [(f"{where}.shadows[{i}]", p) for i, p in enumerate(policies.shadows)]
     if policies.ab is not None:
-        named.append(("policy.ab_policy", policies.ab))
+        named.append((f"{where}.ab_policy", policies.ab))
     for where, policy in named:
         for ctx in _rehearsal_contexts():
             try:

@@ -7,6 +7,9 @@ Contract:
   (the slot gate's wait, sending, relaying, retries, aborts); the offline replay
   (``loadtests.replay.sim``) calls the very same phases on a virtual clock. A routing
   rule changed here changes both; a test holds the two drivers to the same decisions.
+- Policy sets: the top-level one (swapped live by :meth:`RoutingCore.configure`) and, per
+  ``models:`` entry with a policy of its own, that model's (static); the caller names
+  the entry a request falls under (``gateway.routing.models``), the replay none.
 - :meth:`RoutingCore.choose`: candidates (health-filtered by the caller) become
   :class:`~policies.base.WorkerView` s with this request's matched tokens — from the
   exact index for workers in exact mode, else from the approximate prefix index, matched
@@ -114,8 +117,11 @@ class RoutingCore:
         rng: random.Random,
         tokens: TokenAccounting | None = None,
         ttft_estimate: TtftEstimate | None = None,
+        model_policies: Mapping[str, PolicySet] | None = None,
     ) -> None:
         self.policies = policy if isinstance(policy, PolicySet) else PolicySet(policy)
+        # per ``models:`` entry name, its own set (static: ``configure`` swaps the top one)
+        self.model_policies: Mapping[str, PolicySet] = dict(model_policies or {})
         self.index = index
         self.costs = costs
         self.rng = rng
@@ -124,8 +130,17 @@ class RoutingCore:
         self.shadow_failures: dict[str, int] = {}  # shadow policy -> selects that raised
 
     def configure(self, policies: PolicySet) -> None:
-        """Swap the policy set; requests already decided finish under their own."""
+        """Swap the top-level policy set; requests already decided finish under their own.
+        The per-model sets stay."""
         self.policies = policies
+
+    def policies_for(self, model: str | None) -> PolicySet:
+        """The set that routes requests under the ``models:`` entry ``model``
+        (``gateway.routing.models``): its own, else (None, or no policy of its own) the
+        top-level one."""
+        if model is None or not self.model_policies:
+            return self.policies
+        return self.model_policies.get(model, self.policies)
 
     def estimate(self, req: RouteRequest) -> None:
         """Size the prompt in its model's tokens, as learnt from the workers' answers."""
@@ -138,10 +153,11 @@ class RoutingCore:
         workers: Sequence[Worker],
         now: float,
         exact: ExactRequest | None = None,
+        model: str | None = None,
     ) -> Choice:
         """Views of ``workers`` (non-empty) with this request's matches, and the policy's
-        pick among them."""
-        policies = self.policies
+        pick among them; ``model``: the ``models:`` entry it falls under (its policy set)."""
+        policies = self.policies_for(model)
         indexed = bool(req.block_hashes) and policies.uses_prefix_match
         matches: Mapping[str, int] = {}
         if indexed:

@@ -89,6 +89,8 @@ class DecisionRecord:
     arm: str | None = None  # A/B arm (``gateway.routing.policy_set``); None without a split
     shadows: tuple[ShadowPick, ...] = ()  # what the shadow policies would have picked
     estimated_ttft_s: float | None = None  # of the pick, when shadows are compared
+    # PD mode: ``worker`` is the prefill; the decode worker, its policy's reason and name
+    decode: tuple[str, str, str] | None = None
 
     @classmethod
     def from_decision(
@@ -142,6 +144,17 @@ class DecisionRecord:
             ({} if self.index_mode is None else {"index_mode": self.index_mode})
             | ({} if self.slot_wait_s is None else {"slot_wait_s": self.slot_wait_s})
             | ({} if self.arm is None else {"arm": self.arm})
+            | (
+                {}
+                if self.decode is None
+                else {
+                    "decode": {
+                        "worker": self.decode[0],
+                        "reason": self.decode[1],
+                        "policy": self.decode[2],
+                    }
+                }
+            )
             | (
                 {}
                 if not self.shadows

@@ -21,6 +21,8 @@ Contract:
   (SGLang), the worker is sent ``/abort_request`` for the request's rid. Only such kinds
   get a ``rid`` added to the body; others get the client's body as is
   (``gateway.workers.kinds``).
+- A request whose base model falls under a ``models:`` entry (``gateway.routing.models``)
+  is decided by that model's policy set and its attempts get that model's timeouts.
 - Hooks (:class:`RouterHooks`) let telemetry observe without the router knowing it.
 """
 
@@ -41,10 +43,13 @@ from gateway.errors import GatewayError
 from gateway.forward import relay
 from gateway.forward.credentials import WorkerCredentials
 from gateway.forward.outbound import body_with_members, new_rid
-from gateway.forward.upstream import UpstreamPool, UpstreamResponse
+from gateway.forward.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from gateway.routing import pd as pd_rules
 from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
+from gateway.routing.lease import Lease
 from gateway.routing.lora import AdapterLoads, load_adapter, lora_candidates
+from gateway.routing.models import ModelRoute, ModelRoutes
 from gateway.routing.request import DP_RANK_KEYS, ApiKind, RouteRequest
 from gateway.routing.slot_gate import SlotGate
 from gateway.workers.kinds import dp_rank_key, kind_named
@@ -54,7 +59,7 @@ from gateway.workers.outlier import (
     OUTCOME_SUCCESS,
     OutlierDetector,
 )
-from gateway.workers.registry import Worker, WorkerRegistry
+from gateway.workers.registry import DECODE, PREFILL, Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +87,10 @@ class RouterHooks:
 
     def decided(self, record: DecisionRecord) -> None:
         """A policy chose a worker (one call per attempt)."""
+
+    def model_served(self, request_id: str, model: str | None) -> None:
+        """The request's base model, when some worker serves it (else None); once, before
+        its first decision."""
 
     def attempt_failed(self, worker: Worker, kind: str, status: int) -> None:
         """An attempt failed before any byte reached the client; a retry may follow."""
@@ -126,6 +135,8 @@ class _Call:
     request_id: str
     started: float
     exact: PreparedExact | None
+    attempt: int = 0  # the attempt under way (retries so far)
+    route: ModelRoute | None = None  # the models: entry it falls under (its timeouts)
 
 
 class Router:
@@ -141,8 +152,11 @@ class Router:
         hooks: RouterHooks | None = None,
         slots: SlotGate | None = None,
         exact: ExactSource | None = None,
+        decode_core: RoutingCore | None = None,
     ) -> None:
         self.core = core
+        # PD mode (docs/PD.md): ``core`` picks the prefill worker, this one the decode
+        self.decode_core = decode_core
         self.registry = registry
         self.decisions = decisions
         self.hooks = hooks or RouterHooks()
@@ -157,9 +171,10 @@ class Router:
         self._loads = AdapterLoads()  # this router's adapter loads and their rate bound
         self._abort_timeout = config.server.abort_timeout_s
         self._request_timeout = config.server.request_timeout_s
+        self._models = ModelRoutes.from_config(config)  # per-model policy and timeouts
 
-    def _prepare_exact(self, req: RouteRequest) -> PreparedExact | None:
-        if self._exact is None or not self.core.policies.uses_prefix_match:
+    def _prepare_exact(self, req: RouteRequest, model: str | None) -> PreparedExact | None:
+        if self._exact is None or not self.core.policies_for(model).uses_prefix_match:
             return None
         if req.kind is ApiKind.EMBEDDINGS:
             return None
@@ -172,7 +187,7 @@ class Router:
     ) -> web.StreamResponse:
         """Route, forward and relay one parsed request; raises GatewayError on failure."""
         self.core.estimate(req)
-        call = _Call(request, req, request_id, time.perf_counter(), self._prepare_exact(req))
+        call = _Call(request, req, request_id, time.perf_counter(), None)
         excluded: list[str] = []
         failure: relay.AttemptFailed | None = None
         worker: Worker | None = None
@@ -180,15 +195,23 @@ class Router:
         status = 503
         try:
             model, adapter = req.model, None  # as before unless some worker serves LoRA
-            if self._lora.affinity and self.registry.serves_lora():
+            pd = self.decode_core is not None
+            if self._lora.affinity and self.registry.serves_lora() and not pd:
                 model, adapter = req.target(self.registry.served_names())
+            call.route = self._models.resolve(model, self.registry)
+            key = None if call.route is None else call.route.key  # its policy set's
+            call.exact = self._prepare_exact(req, key)
+            served = model is not None and self.registry.serves_any(model)
+            self.hooks.model_served(request_id, model if served else None)
             if call.exact is not None:  # off the loop for a large body; a retry's fewer
                 # candidates reuse these tokens
                 ids = [w.id for w in self.registry.candidates((), model, adapter)]
                 await call.exact.prepare_tokens(ids)
             for attempt in range(self._max_attempts):
-                workers = self.registry.candidates(excluded, model, adapter)
-                if not workers:
+                role = PREFILL if pd else None
+                workers = self.registry.candidates(excluded, model, adapter, role)
+                decode = self._choose_decode(req, excluded, model) if pd else None
+                if not workers or (pd and decode is None):
                     if attempt == 0 and _unknown_model(self.registry, model):
                         status = 404
                         raise _model_not_found(model)
@@ -202,7 +225,7 @@ class Router:
                     except GatewayError as exc:  # unknown adapter, loads rate-limited
                         status = exc.status
                         raise
-                choice = self.core.choose(req, workers, self.registry.clock(), call.exact)
+                choice = self.core.choose(req, workers, self.registry.clock(), call.exact, key)
                 worker = choice.worker
                 record = DecisionRecord.from_decision(
                     request_id=request_id,
@@ -214,17 +237,26 @@ class Router:
                 )
                 record.arm, record.shadows = choice.arm, choice.shadows
                 record.estimated_ttft_s = choice.estimated_ttft_s
+                if decode is not None:
+                    d = decode.decision
+                    record.decode = (d.worker_id, d.reason, decode.policy.name)
                 self.decisions.add(record)
                 self.hooks.decided(record)
                 final = attempt == self._max_attempts - 1 or len(workers) == 1
+                call.attempt = attempt
                 try:
                     if lora_path is not None and adapter not in worker.adapters:
                         await self._load_adapter(worker, adapter, lora_path)
-                    response = await self._attempt(call, choice, record, final, attempt)
+                    if decode is not None:
+                        response = await self._attempt_pd(call, choice, decode, record, final)
+                    else:
+                        response = await self._attempt(call, choice, record, final)
                 except relay.AttemptFailed as exc:
                     failure = exc
-                    excluded.append(worker.server.id)  # a DP rank's failure: its whole worker
-                    self.hooks.attempt_failed(worker, exc.kind, exc.status)
+                    # a DP rank's failure excludes its whole worker; PD: the side that failed
+                    failed = self.registry.get(exc.worker or "") or worker
+                    excluded.append(failed.server.id)
+                    self.hooks.attempt_failed(failed, exc.kind, exc.status)
                     if exc.kind == "timeout":
                         break  # the time budget is spent; another worker would start over
                     continue
@@ -242,7 +274,7 @@ class Router:
             self.hooks.finished(req.kind, worker, status, record, elapsed)
 
     async def _attempt(
-        self, call: _Call, choice: Choice, record: DecisionRecord, final: bool, attempt: int
+        self, call: _Call, choice: Choice, record: DecisionRecord, final: bool
     ) -> web.StreamResponse:
         """One attempt on one worker. Over 60 lines on purpose: the slot ticket, the lease
         and the upstream connection are each released on every exit, and one try/finally
@@ -296,48 +328,203 @@ class Router:
                 slots.leave(ticket)
             if upstream is not None:
                 upstream.release()
+        self._completed(call, choice, lease, outcome, record, worker)
+        return response
+
+    def _completed(
+        self,
+        call: _Call,
+        choice: Choice,
+        lease: Lease,
+        outcome: relay.Outcome,
+        record: DecisionRecord,
+        answered: Worker,
+    ) -> None:
+        """A worker (``answered``: the decode in PD mode) answered whole: learn from it."""
         self._outlier.record(
-            worker.server, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS
+            answered.server, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS
         )
-        self.core.feedback(req, choice, lease, outcome, self.registry.clock(), call.exact)
+        self.core.feedback(call.req, choice, lease, outcome, self.registry.clock(), call.exact)
         record.outcome = DecisionOutcome(
             status=outcome.status,
             ttft_s=outcome.ttft_s,
             reported_cached_tokens=outcome.cached_tokens,
-            retries=attempt,
+            retries=call.attempt,
             duration_s=time.perf_counter() - call.started,
             reported_prompt_tokens=outcome.prompt_tokens,
             output_tokens=outcome.output_tokens,
         )
-        self.hooks.completed(req, record)
+        self.hooks.completed(call.req, record)
         if outcome.failed_mid_stream:
-            self._outlier.record(worker.server, OUTCOME_CONNECT_ERROR)
-            log.warning("request %s: worker %s failed mid-stream", call.request_id, worker.url)
+            self._outlier.record(answered.server, OUTCOME_CONNECT_ERROR)
+            log.warning("request %s: worker %s failed mid-stream", call.request_id, answered.url)
+
+    # --- prefill/decode disaggregation (docs/PD.md) -------------------------------
+
+    def _choose_decode(
+        self, req: RouteRequest, excluded: Sequence[str], model: str | None
+    ) -> Choice | None:
+        """The decode worker of a PD pair, by the decode policy (None: none routable)."""
+        assert self.decode_core is not None
+        workers = self.registry.candidates(excluded, model, None, DECODE)
+        if not workers:
+            return None
+        return self.decode_core.choose(req, workers, self.registry.clock())
+
+    async def _attempt_pd(
+        self, call: _Call, choice: Choice, decode: Choice, record: DecisionRecord, final: bool
+    ) -> web.StreamResponse:
+        """One attempt on a prefill/decode pair: the same body (with a fresh bootstrap
+        room) to both at once; the decode's answer relayed, the prefill's read and
+        dropped (its input logprobs merged when asked). Whichever side fails, both are
+        aborted (each would otherwise wait for its partner, up to SGLang's 300 s) and
+        the failure names its worker, so a retry takes a new pair without it. Over 60
+        lines on purpose, like :meth:`_attempt`: both leases and both connections are
+        released in the one ``finally`` below."""
+        req, pw, dw = call.req, choice.worker, decode.worker
+        rid = None if req.batch else new_rid()
+        room = pd_rules.new_room()
+        port = pw.bootstrap_port or pw.metadata.bootstrap_port
+        plea = self.core.dispatch(req, choice, self.registry.clock(), call.exact)
+        dlea = Lease(dw, 0)  # a decode server computes no prompt: no prefill tokens
+        record.index_mode = choice.index_mode
+        extra = {
+            "x-request-id": call.request_id,
+            "x-gateway-worker": dw.url,
+            "x-gateway-prefill-worker": pw.url,
+            "x-gateway-matched-tokens": str(record.matched_tokens),
+        }
+        p_up: UpstreamResponse | None = None
+        d_up: UpstreamResponse | None = None
+        drain: asyncio.Task[bytes | None] | None = None
+        try:
+            bodies = [
+                pd_rules.pair_body(req.body, pw.url, port, room, self._members(w, rid))
+                for w in (pw, dw)
+            ]
+            sent_at = time.perf_counter()
+            sent = await asyncio.gather(
+                self._send(call, pw, rid, bodies[0]),
+                self._send(call, dw, rid, bodies[1]),
+                return_exceptions=True,
+            )
+            p_up, d_up = (r if isinstance(r, UpstreamResponse) else None for r in sent)
+            for result, side in zip(sent, (pw, dw), strict=True):
+                if isinstance(result, relay.AttemptFailed):
+                    result.worker = side.id
+                if isinstance(result, BaseException):
+                    raise result
+            assert p_up is not None and d_up is not None
+            refused = await self._prefill_refused(p_up, pw)
+            if refused is not None:
+                p_up = None  # read whole and released
+                self._abort(dw, rid, d_up)
+                return refused
+            self._outlier.record(pw.server, OUTCOME_SUCCESS)
+            drain = asyncio.create_task(_read_prefill(p_up))
+            transform = None
+            if pd_rules.wants_input_logprobs(req.kind, req.body):
+                answer = await asyncio.shield(drain)
+                found = pd_rules.input_logprobs(answer) if answer else None
+                transform = pd_rules.merger(found) if found else None
+
+            def first_token() -> None:
+                plea.first_token()
+                dlea.first_token()
+
+            response, outcome = await relay.relay(
+                call.request,
+                d_up,
+                stream=req.stream,
+                final=final,
+                extra_headers=extra,
+                started=sent_at,
+                on_first_byte=first_token,
+                transform=transform,
+            )
+        except relay.AttemptFailed as exc:
+            exc.worker = exc.worker or dw.id  # the relay's failures are the decode's
+            side, other = (pw, dw) if exc.worker == pw.id else (dw, pw)
+            self._attempt_failed(side, rid, exc, p_up if side is pw else d_up)
+            self._abort(other, rid, d_up if other is dw else p_up)
+            raise
+        except (relay.ClientGone, asyncio.CancelledError):
+            self._abort(pw, rid, p_up)
+            self._abort(dw, rid, d_up)
+            raise
+        finally:
+            plea.release()
+            dlea.release()
+            if drain is not None and not drain.done():
+                drain.cancel()  # the prefill answers before the decode's first token:
+                # one still unread at the end is cut
+            elif drain is None and p_up is not None:
+                p_up.release()
+            if d_up is not None:
+                d_up.release()
+        self._completed(call, choice, plea, outcome, record, dw)
         return response
 
-    async def _send(self, call: _Call, worker: Worker, rid: str | None) -> UpstreamResponse:
+    async def _prefill_refused(
+        self, upstream: UpstreamResponse, worker: Worker
+    ) -> web.Response | None:
+        """None when the prefill's head is a 2xx; else its answer ends the pair's attempt:
+        a client error (4xx but 429) is relayed as is, anything else is this worker's
+        failure (AttemptFailed naming it)."""
+        status = upstream.status
+        if 200 <= status < 300:
+            return None
+        body = await relay.read_whole(upstream)
+        upstream.release()
+        if 400 <= status < 500 and status != 429:
+            ctype = upstream.header("content-type") or "application/json"
+            return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+        exc = relay.AttemptFailed(
+            "status" if status >= 400 else "connect",
+            f"the prefill worker answered {status}",
+            status,
+            body,
+            {k: v for k, v in upstream.headers if k.lower() not in relay.HOP_BY_HOP},
+        )
+        exc.worker = worker.id
+        raise exc
+
+    @staticmethod
+    def _members(worker: Worker, rid: str | None) -> dict[str, object]:
+        """The members the gateway sets in a body for ``worker``: its rid, its DP rank."""
+        members: dict[str, object] = {}
+        if rid is not None and kind_named(worker.kind).abort_path is not None:
+            members["rid"] = rid
+        if worker.dp_rank is not None:
+            members[dp_rank_key(worker.metadata.version)] = worker.dp_rank
+        return members
+
+    async def _send(
+        self, call: _Call, worker: Worker, rid: str | None, body: bytes | None = None
+    ) -> UpstreamResponse:
+        """Send the request to ``worker`` (``body``: as given, else the client's with the
+        gateway's members set); its response head, or AttemptFailed."""
         req, request = call.req, call.request
         extra = self.hooks.upstream_headers()
         if self._worker_auth:
             extra = {**extra, **self._worker_auth}
         # never the client's request id upstream, even for a batch (which has no rid)
         headers = relay.upstream_headers(request.headers, rid or new_rid(), extra, self._drop)
-        deadline = asyncio.get_running_loop().time() + self._request_timeout
-        aborts = kind_named(worker.kind).abort_path is not None
-        members: dict[str, object] = {}
-        rewrite = False
-        if aborts and rid is not None:
-            members["rid"] = rid
-            rewrite = req.rid is not None or req.rid_in_body
-        if worker.dp_rank is not None:  # one DP rank of an SGLang worker: pin it there
-            members[dp_rank_key(worker.metadata.version)] = worker.dp_rank
-            rewrite = rewrite or req.dp_rank_in_body
-        body = req.body
-        if members:
-            drop = DP_RANK_KEYS if worker.dp_rank is not None else ()
-            body = body_with_members(body, members, rewrite=rewrite, drop=drop)
+        route = call.route
+        timeout = self._request_timeout if route is None else route.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout
+        if body is None:
+            body = req.body
+            members = self._members(worker, rid)  # one DP rank of an SGLang worker: pinned
+            if members:
+                rewrite = ("rid" in members and (req.rid is not None or req.rid_in_body)) or (
+                    worker.dp_rank is not None and req.dp_rank_in_body
+                )
+                drop = DP_RANK_KEYS if worker.dp_rank is not None else ()
+                body = body_with_members(body, members, rewrite=rewrite, drop=drop)
+        first_byte = None if route is None else route.first_byte_timeout_s
         return await relay.send(
-            self._fwd.pool, worker.url, request.raw_path, body, headers, deadline
+            self._fwd.pool, worker.url, request.raw_path, body, headers, deadline, first_byte
         )
 
     def _attempt_failed(
@@ -416,3 +603,14 @@ def _final_error(
     if failure.kind in _TIMEOUTS:
         return 504, GatewayError(504, "the worker timed out")
     return 502, GatewayError(502, f"no worker could serve the request: {failure.message}")
+
+
+async def _read_prefill(upstream: UpstreamResponse) -> bytes | None:
+    """The prefill's answer, read whole and dropped (bounded by the pool's body limit),
+    the connection released; None if it failed. Cancelled: the connection is closed."""
+    try:
+        return await upstream.read(upstream.limits.max_body_bytes)
+    except (UpstreamError, TimeoutError, aiohttp.ClientError, OSError):
+        return None
+    finally:
+        upstream.release()

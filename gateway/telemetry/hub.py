@@ -25,7 +25,9 @@ snapshot are dropped at the next scrape, or at once by :meth:`Telemetry.forget_w
 
 Label sets are bounded: ``route`` by the gateway's routes, ``status`` by HTTP,
 ``policy``/``reason`` by the policies (``policies.base.REASONS``), ``kind`` by
-:data:`UPSTREAM_ERROR_KINDS` (other values are counted as ``other``).
+:data:`UPSTREAM_ERROR_KINDS` (other values are counted as ``other``), ``model`` by
+:meth:`Telemetry.model_label` (a served base model, at most :data:`MAX_MODEL_LABELS`
+values since start, else ``other``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from gateway.routing.decisions import DecisionOutcome, DecisionRecord
 from gateway.telemetry.collector import FleetCollector
 from gateway.telemetry.logs import set_request_id
 from gateway.telemetry.metrics import CounterChild, HistogramChild
-from gateway.telemetry.series import TTFT_BUCKETS, Metrics, WorkerStats
+from gateway.telemetry.series import TTFT_BUCKETS, Metrics, ModelStats, WorkerStats
 from gateway.telemetry.snapshot import FleetSnapshot, SnapshotProvider, empty_snapshot
 from gateway.telemetry.tracing import SpanHandle, Tracing, TracingConfig
 from gateway.telemetry.tuning import TuningTelemetry
@@ -52,6 +54,9 @@ from gateway.telemetry.tuning import TuningTelemetry
 NO_WORKER = "none"  # worker label of requests that never reached a worker
 OTHER = "other"
 UPSTREAM_ERROR_KINDS = frozenset({"connect", "timeout", "http_5xx", "http_429", "stream", OTHER})
+# `model` label values besides `other`: the first served models seen, names of a sane size
+MAX_MODEL_LABELS = 64
+MAX_MODEL_LABEL_CHARS = 256
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 # The telemetry of the request the current task serves (per task, like the log request id).
@@ -79,8 +84,8 @@ class RequestTelemetry:
     """Telemetry of one request; made by :meth:`Telemetry.begin_request`. Not reusable."""
 
     __slots__ = (
-        "_first_byte", "_span", "_start", "_t", "finished", "model", "record", "request_id",
-        "retries", "route",
+        "_first_byte", "_span", "_start", "_t", "finished", "model", "model_label", "record",
+        "request_id", "retries", "route",
     )  # fmt: skip
 
     def __init__(
@@ -98,6 +103,7 @@ class RequestTelemetry:
         self._first_byte: float | None = None
         self.request_id = request_id
         self.model = model
+        self.model_label = OTHER  # the `model` label (Telemetry.model_label), set by the router
         self.record: DecisionRecord | None = None
         self.retries = 0
         self.finished = False
@@ -235,6 +241,7 @@ class Telemetry:
         self.tuning = TuningTelemetry(self.registry, TTFT_BUCKETS)
         self._tracing = Tracing(self.config.tracing, span_exporter)
         self._workers: dict[str, WorkerStats] = {}
+        self._models: dict[str, ModelStats] = {}  # by `model` label value
         self._error_workers: set[str] = set()  # labelled by errors or ejections only
         self._decisions: dict[tuple[str, str], CounterChild] = {}
         self._match_ratio: dict[str, HistogramChild] = {}
@@ -268,6 +275,24 @@ class Telemetry:
         _CURRENT.set(rt)
         return rt
 
+    def model_label(self, model: str | None) -> str:
+        """The ``model`` label of a request whose base model is ``model`` when a worker
+        serves it (None: none does, or it names none): the name itself for the first
+        :data:`MAX_MODEL_LABELS` names seen, else ``other``."""
+        if model is None or model in self._models:
+            return OTHER if model is None else model
+        named = len(self._models) - (OTHER in self._models)
+        if named >= MAX_MODEL_LABELS or len(model) > MAX_MODEL_LABEL_CHARS:
+            return OTHER
+        self._models[model] = ModelStats(model, self._m)
+        return model
+
+    def _model(self, label: str) -> ModelStats:
+        ms = self._models.get(label)
+        if ms is None:  # `other` (not one of the MAX_MODEL_LABELS names)
+            ms = self._models[label] = ModelStats(label, self._m)
+        return ms
+
     def _worker(self, worker: str) -> WorkerStats:
         ws = self._workers.get(worker)
         if ws is None:
@@ -300,12 +325,16 @@ class Telemetry:
         if not self.config.metrics:
             return
         ws = self._worker(NO_WORKER if record is None else record.worker)
+        ms = self._model(rt.model_label)
         ws.count(rt.route, status)
+        ms.count(rt.route, status)
         ws.duration.observe(duration)
         if ttft_s is not None:
             ws.observe_ttft(ttft_s)
+            ms.observe_ttft(ttft_s)
         if record is not None and status < 400:
             ws.tokens(record.prompt_tokens, record.matched_tokens, reported)
+            ms.tokens(record.prompt_tokens, record.matched_tokens, reported)
         if record is not None and record.slot_wait_s is not None:
             self._m.slot_waits.labels(record.policy).observe(record.slot_wait_s)
 
@@ -355,6 +384,10 @@ class Telemetry:
     def worker_stats(self) -> Mapping[str, WorkerStats]:
         """Per-worker push figures (read-only use)."""
         return self._workers
+
+    def model_stats(self) -> Mapping[str, ModelStats]:
+        """Per-``model``-label push figures (read-only use)."""
+        return self._models
 
     def render_prometheus(self) -> bytes:
         """The registry in Prometheus text format (takes one fleet snapshot)."""

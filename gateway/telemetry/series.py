@@ -1,14 +1,17 @@
-"""The gateway's push-style metric families and their per-worker children.
+"""The gateway's push-style metric families and their per-worker and per-model children.
 
 :class:`Metrics` registers every family updated on the request path in one registry;
 :class:`WorkerStats` caches one worker's children and keeps the plain figures the
-dashboard reads (request count, recent TTFTs, token sums). Event loop thread only.
+dashboard reads (request count, recent TTFTs, token sums); :class:`ModelStats` does the
+same for one ``model`` label value (``gateway_model_*``). Event loop thread only.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -86,51 +89,88 @@ class Metrics:
             ["policy"],
             TTFT_BUCKETS,
         )
+        # per model (the request's base model when served, else "other"; bounded by the hub)
+        self.model_requests = CounterVec(
+            "gateway_model_requests", "Finished requests, per model.", ["model", "route", "status"]
+        )
+        self.model_ttft = HistogramVec(
+            "gateway_model_time_to_first_token_seconds",
+            "Upstream send to the worker's first byte, per model.",
+            ["model"],
+            TTFT_BUCKETS,
+        )
+        self.model_prompt = CounterVec(
+            "gateway_model_prompt_tokens",
+            "Estimated prompt tokens of finished requests, per model.",
+            ["model"],
+        )
+        self.model_cached = CounterVec(
+            "gateway_model_cached_tokens",
+            "Cached tokens of finished requests, per model: predicted by the gateway's "
+            "index, or reported by the worker.",
+            ["model", "kind"],
+        )
+        self.model_reported_prompt = CounterVec(
+            "gateway_model_reported_prompt_tokens",
+            "Estimated prompt tokens of finished requests the worker reported cached tokens "
+            "for, per model.",
+            ["model"],
+        )
         families = (
             self.requests, self.duration, self.ttft, self.decisions, self.match_ratio,
             self.prompt_tokens, self.predicted, self.reported, self.reported_prompt, self.retries,
-            self.upstream_errors, self.ejections, self.slot_waits,
+            self.upstream_errors, self.ejections, self.slot_waits, self.model_requests,
+            self.model_ttft, self.model_prompt, self.model_cached, self.model_reported_prompt,
         )  # fmt: skip
         registry.register(PushCollector(families))
         self.per_worker = [f for f in families if "worker" in f.labelnames]
+        self.worker_tally = TallyFamilies(
+            self.requests,
+            self.prompt_tokens.labels,
+            self.predicted.labels,
+            self.reported.labels,
+            self.reported_prompt.labels,
+        )
+        cached = self.model_cached
+        self.model_tally = TallyFamilies(
+            self.model_requests,
+            self.model_prompt.labels,
+            lambda model: cached.labels(model, "predicted"),
+            lambda model: cached.labels(model, "reported"),
+            self.model_reported_prompt.labels,
+        )
 
 
-class WorkerStats:
-    """Per-worker cached metric children plus plain figures for the dashboard.
+@dataclass(frozen=True, slots=True)
+class TallyFamilies:
+    """Where a :class:`Tally`'s children come from, given its label value."""
 
-    Series other than requests and duration appear on first use, so a worker label that
-    only ever saw rejected requests (``none``) carries no empty TTFT or token series."""
+    requests: CounterVec  # labelled (value, route, status)
+    prompt: Callable[[str], CounterChild]
+    predicted: Callable[[str], CounterChild]
+    reported: Callable[[str], CounterChild]
+    reported_prompt: Callable[[str], CounterChild]
+
+
+class Tally:
+    """Finished requests and their token figures for one label value (a worker, a model):
+    cached metric children plus the plain sums the dashboard reads. Token series appear
+    on first use, so a value that only ever saw rejected requests carries none."""
 
     __slots__ = (
-        "_m",
-        "_predicted",
-        "_prompt",
-        "_reported",
-        "_reported_prompt",
-        "duration",
-        "errors",
-        "predicted_tokens",
-        "prompt_tokens",
-        "reported_prompt_tokens",
-        "reported_tokens",
-        "requests",
-        "requests_by_key",
-        "ttft",
-        "ttft_recent",
-        "worker",
+        "_f", "_label", "_predicted", "_prompt", "_reported", "_reported_prompt", "errors",
+        "predicted_tokens", "prompt_tokens", "reported_prompt_tokens", "reported_tokens",
+        "requests", "requests_by_key",
     )  # fmt: skip
 
-    def __init__(self, worker: str, metrics: Metrics, window: int) -> None:
-        self.worker = worker
-        self._m = metrics
-        self.duration = metrics.duration.labels(worker)
-        self.ttft: HistogramChild | None = None
+    def __init__(self, label: str, families: TallyFamilies) -> None:
+        self._label = label
+        self._f = families
         self._prompt: CounterChild | None = None
         self._predicted: CounterChild | None = None
         self._reported: CounterChild | None = None
         self._reported_prompt: CounterChild | None = None
         self.requests_by_key: dict[tuple[str, int], CounterChild] = {}
-        self.ttft_recent: deque[tuple[float, float]] = deque(maxlen=window)
         self.requests = 0
         self.errors = 0  # status >= 500
         self.prompt_tokens = 0
@@ -142,12 +182,48 @@ class WorkerStats:
         """One finished request."""
         child = self.requests_by_key.get((route, status))
         if child is None:
-            child = self._m.requests.labels(self.worker, route, str(status))
+            child = self._f.requests.labels(self._label, route, str(status))
             self.requests_by_key[(route, status)] = child
         child.inc()
         self.requests += 1
         if status >= 500:
             self.errors += 1
+
+    def tokens(self, prompt: int, predicted: int, reported: int | None) -> None:
+        """Index fidelity figures of one successful request."""
+        if self._prompt is None or self._predicted is None:
+            self._prompt = self._f.prompt(self._label)
+            self._predicted = self._f.predicted(self._label)
+        self.prompt_tokens += prompt
+        self.predicted_tokens += predicted
+        self._prompt.inc(prompt)
+        self._predicted.inc(predicted)
+        if reported is not None:
+            if self._reported is None or self._reported_prompt is None:
+                self._reported = self._f.reported(self._label)
+                self._reported_prompt = self._f.reported_prompt(self._label)
+            self.reported_prompt_tokens += prompt
+            self.reported_tokens += reported
+            self._reported.inc(reported)
+            self._reported_prompt.inc(prompt)
+
+
+class WorkerStats(Tally):
+    """Per-worker cached metric children plus plain figures for the dashboard (request
+    count, recent TTFTs, token sums).
+
+    Series other than requests and duration appear on first use, so a worker label that
+    only ever saw rejected requests (``none``) carries no empty TTFT or token series."""
+
+    __slots__ = ("_m", "duration", "ttft", "ttft_recent", "worker")
+
+    def __init__(self, worker: str, metrics: Metrics, window: int) -> None:
+        super().__init__(worker, metrics.worker_tally)
+        self.worker = worker
+        self._m = metrics
+        self.duration = metrics.duration.labels(worker)
+        self.ttft: HistogramChild | None = None
+        self.ttft_recent: deque[tuple[float, float]] = deque(maxlen=window)
 
     def observe_ttft(self, ttft_s: float) -> None:
         """One time to first token."""
@@ -156,20 +232,20 @@ class WorkerStats:
         self.ttft.observe(ttft_s)
         self.ttft_recent.append((time.monotonic(), ttft_s))
 
-    def tokens(self, prompt: int, predicted: int, reported: int | None) -> None:
-        """Index fidelity figures of one successful request."""
-        if self._prompt is None or self._predicted is None:
-            self._prompt = self._m.prompt_tokens.labels(self.worker)
-            self._predicted = self._m.predicted.labels(self.worker)
-        self.prompt_tokens += prompt
-        self.predicted_tokens += predicted
-        self._prompt.inc(prompt)
-        self._predicted.inc(predicted)
-        if reported is not None:
-            if self._reported is None or self._reported_prompt is None:
-                self._reported = self._m.reported.labels(self.worker)
-                self._reported_prompt = self._m.reported_prompt.labels(self.worker)
-            self.reported_prompt_tokens += prompt
-            self.reported_tokens += reported
-            self._reported.inc(reported)
-            self._reported_prompt.inc(prompt)
+
+class ModelStats(Tally):
+    """One ``model`` label value's children and figures (``gateway_model_*``)."""
+
+    __slots__ = ("_m", "_ttft", "model")
+
+    def __init__(self, model: str, metrics: Metrics) -> None:
+        super().__init__(model, metrics.model_tally)
+        self.model = model
+        self._m = metrics
+        self._ttft: HistogramChild | None = None
+
+    def observe_ttft(self, ttft_s: float) -> None:
+        """One time to first token."""
+        if self._ttft is None:
+            self._ttft = self._m.model_ttft.labels(self.model)
+        self._ttft.observe(ttft_s)

@@ -56,6 +56,7 @@ class WorkerSnapshot:
     index_mode_reason: str | None = None  # why it is in that mode, for an operator
     # (mode, requests, predicted, true predicted, reported) cached tokens, cumulative
     mode_fidelity: Sequence[tuple[str, int, int, int, int]] = ()
+    role: str = "regular"  # PD mode: "prefill" or "decode" (sglang-router's worker_type)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for ``/dashboard/data`` and ``/debug/index``."""
@@ -73,6 +74,7 @@ class WorkerSnapshot:
             "engine_age_s": self.engine_age_s,
             "index_mode": self.index_mode,
             "index_mode_reason": self.index_mode_reason,
+            "role": self.role,
         }
 
 

@@ -45,6 +45,12 @@ from policies.base import EngineLoad, WorkerCost, WorkerView
 log = logging.getLogger(__name__)
 
 
+REGULAR = "regular"  # worker roles, sglang-router's worker_type names
+PREFILL = "prefill"
+DECODE = "decode"
+ROLES = (REGULAR, PREFILL, DECODE)
+
+
 class HealthFlag(enum.Enum):
     """Why a worker is not healthy; each flag has exactly one source."""
 
@@ -66,6 +72,9 @@ class WorkerMetadata:
     max_sequences: int | None = None  # prompts it keeps cached when slots bind (llama.cpp)
     lora_enabled: bool = False  # serves LoRA adapters (SGLang's enable_lora)
     dp_size: int = 1  # data-parallel ranks, each with its own radix cache (SGLang)
+    # prefill/decode disaggregation as the worker's /server_info tells it (docs/PD.md)
+    disaggregation_mode: str | None = None  # "prefill", "decode" or "null"
+    bootstrap_port: int | None = None  # a prefill server's disaggregation_bootstrap_port
     version: str | None = None  # the engine's version, when told (SGLang's ``version``)
 
 
@@ -118,6 +127,7 @@ class Worker:
     __slots__ = (
         "adapters",
         "added_at",
+        "bootstrap_port",
         "consecutive_5xx",
         "consecutive_connect_errors",
         "decoding_requests",
@@ -139,12 +149,23 @@ class Worker:
         "peer_queued_prefill_tokens",
         "queued_prefill_tokens",
         "ranks",
+        "role",
         "times_ejected",
         "url",
     )
 
-    def __init__(self, url: str, now: float, kind: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        now: float,
+        kind: str | None = None,
+        role: str = REGULAR,
+        bootstrap_port: int | None = None,
+    ) -> None:
         self.url = url
+        # PD disaggregation: "prefill" or "decode" (docs/PD.md); "regular" otherwise
+        self.role = role
+        self.bootstrap_port = bootstrap_port  # a prefill worker's, as configured (or None)
         self.id = worker_id_for(url)
         # gateway.workers.kinds name; until an unknown kind is discovered, SGLang's ways
         self.kind = kind or "sglang"
@@ -241,6 +262,8 @@ class Worker:
             "url": self.url,
             "model": self.metadata.model,
             "kind": self.kind if self.kind_known else None,
+            "worker_type": self.role,  # sglang-router's name
+            "bootstrap_port": self.bootstrap_port if self.role == PREFILL else None,
             "healthy": self.healthy,
             "routable": self.healthy,
             "flags": sorted(f.value for f in self.flags),
@@ -297,6 +320,8 @@ class RankWorker(Worker):
     url = _of_server("url")
     kind = _of_server("kind")
     kind_known = _of_server("kind_known")
+    role = _of_server("role")
+    bootstrap_port = _of_server("bootstrap_port")
     added_at = _of_server("added_at")
     flags = _of_server("flags")
     metadata = _of_server("metadata")
@@ -368,14 +393,20 @@ class WorkerRegistry:
         """``listener(target)`` for each routing target that goes (module contract)."""
         self._target_listeners.append(listener)
 
-    def add(self, url: str, kind: str | None = None) -> tuple[Worker, bool]:
-        """Register ``url`` (already validated) of ``kind`` (None: discover it); returns
-        (worker, created)."""
+    def add(
+        self,
+        url: str,
+        kind: str | None = None,
+        role: str = REGULAR,
+        bootstrap_port: int | None = None,
+    ) -> tuple[Worker, bool]:
+        """Register ``url`` (already validated) of ``kind`` (None: discover it) in
+        ``role``; returns (worker, created)."""
         wid = worker_id_for(url)
         existing = self._workers.get(wid)
         if existing is not None:
             return existing, False
-        worker = Worker(url, self.clock(), kind)
+        worker = Worker(url, self.clock(), kind, role, bootstrap_port)
         self._workers[wid] = worker
         return worker, True
 
@@ -508,14 +539,21 @@ class WorkerRegistry:
         return self._adapter_paths.get(name)
 
     def candidates(
-        self, excluded: Sequence[str] = (), model: str | None = None, adapter: str | None = None
+        self,
+        excluded: Sequence[str] = (),
+        model: str | None = None,
+        adapter: str | None = None,
+        role: str | None = None,
     ) -> list[Worker]:
         """Routable workers not in ``excluded``; every non-draining one in panic. With
         several models behind the gateway, only workers serving ``model`` (the health
         and panic rules apply among them). With ``adapter``, only the workers that have
         that LoRA adapter loaded, when one of them is healthy and not excluded (else all:
-        the caller decides whether one may load it)."""
+        the caller decides whether one may load it). With ``role`` (PD mode), only the
+        workers of that role (the panic rule applies per role)."""
         workers: Sequence[Worker] = list(self._workers.values())
+        if role is not None:
+            workers = [w for w in workers if w.role == role]
         if model is not None and self.multi_model():
             workers = [w for w in workers if w.serves(model)]
         if adapter is not None:
@@ -531,8 +569,12 @@ class WorkerRegistry:
         return _targets(panic, excluded)
 
     def ready(self) -> bool:
-        """True when at least one worker is healthy (the gateway's readiness)."""
-        return any(not w.flags for w in self._workers.values())
+        """True when at least one worker is healthy (the gateway's readiness); with PD
+        workers, one healthy prefill and one healthy decode (sglang-router's rule)."""
+        healthy = {w.role for w in self._workers.values() if not w.flags}
+        if any(w.role != REGULAR for w in self._workers.values()):
+            return {PREFILL, DECODE} <= healthy
+        return bool(healthy)
 
 
 def _targets(workers: list[Worker], excluded: Sequence[str]) -> list[Worker]:

@@ -35,6 +35,8 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
     names = (info.get("served_model_name"), info.get("model_path"))
     dp_size = info.get("dp_size")
     version = info.get("version")
+    mode = info.get("disaggregation_mode")
+    port = info.get("disaggregation_bootstrap_port")
     return WorkerMetadata(
         model=model if isinstance(model, str) else None,
         models=frozenset(n for n in names if isinstance(n, str) and n),
@@ -43,6 +45,8 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
         lora_enabled=lora,
         dp_size=dp_size if type(dp_size) is int and dp_size > 0 else 1,
         version=version if isinstance(version, str) and len(version) <= 64 else None,
+        disaggregation_mode=mode if mode in ("prefill", "decode", "null") else None,
+        bootstrap_port=port if type(port) is int and 1 <= port <= 65535 else None,
     )
 
 

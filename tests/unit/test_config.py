@@ -43,7 +43,8 @@ def _keys() -> set[str]:
 def _flatten(data: dict[str, Any], prefix: str = "") -> set[str]:
     out: set[str] = set()
     for key, value in data.items():
-        if isinstance(value, dict) and key not in ("params", "tokenizers"):  # mappings
+        mappings = ("params", "tokenizers", "chat_templates", "models")
+        if isinstance(value, dict) and key not in mappings:
             out |= _flatten(value, f"{prefix}{key}.")
         else:
             out.add(prefix + key)
