@@ -403,18 +403,7 @@ class Router:
                 for w in (pw, dw)
             ]
             sent_at = time.perf_counter()
-            sent = await asyncio.gather(
-                self._send(call, pw, rid, bodies[0]),
-                self._send(call, dw, rid, bodies[1]),
-                return_exceptions=True,
-            )
-            p_up, d_up = (r if isinstance(r, UpstreamResponse) else None for r in sent)
-            for result, side in zip(sent, (pw, dw), strict=True):
-                if isinstance(result, relay.AttemptFailed):
-                    result.worker = side.id
-                if isinstance(result, BaseException):
-                    raise result
-            assert p_up is not None and d_up is not None
+            p_up, d_up = await self._send_pair(call, (pw, dw), rid, bodies)
             refused = await self._prefill_refused(p_up, pw)
             if refused is not None:
                 p_up = None  # read whole and released
@@ -464,6 +453,41 @@ class Router:
                 d_up.release()
         self._completed(call, choice, plea, outcome, record, dw)
         return response
+
+    async def _send_pair(
+        self, call: _Call, pair: tuple[Worker, Worker], rid: str | None, bodies: list[bytes]
+    ) -> tuple[UpstreamResponse, UpstreamResponse]:
+        """Both sends at once; both heads, or the first failure (naming its worker) with
+        the other send cancelled: a prefill whose decode is unreachable would otherwise
+        hold its head (a non-streamed one comes with the whole answer) until SGLang's
+        bootstrap timeout."""
+        tasks = [
+            asyncio.ensure_future(self._send(call, w, rid, b))
+            for w, b in zip(pair, bodies, strict=True)
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # the other send, when one failed (or this one was cancelled)
+            for task in tasks:
+                task.cancel()  # a no-op on a finished one
+            await asyncio.gather(*tasks, return_exceptions=True)
+        heads: list[UpstreamResponse] = []
+        failure: BaseException | None = None
+        for task, side in zip(tasks, pair, strict=True):
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            if isinstance(exc, relay.AttemptFailed) and exc.worker is None:
+                exc.worker = side.id
+            if exc is not None:
+                failure = failure or exc
+            else:
+                heads.append(task.result())
+        if failure is not None or len(heads) < 2:
+            for head in heads:
+                head.close()
+            raise failure or asyncio.CancelledError()
+        return heads[0], heads[1]
 
     async def _prefill_refused(
         self, upstream: UpstreamResponse, worker: Worker
