@@ -84,6 +84,9 @@ class WorkerView:
     # prompts it can still cache without evicting one, when a number of prompts (slots)
     # binds rather than tokens (llama.cpp); None: no such bound known
     free_sequences: int | None = None
+    # seconds before this request could start there beyond its queue, e.g. loading the
+    # LoRA adapter it names (read by policies whose ``weighs_setup`` is true)
+    setup_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,9 @@ class Policy(ABC):
     # Capabilities the router reads instead of branching on a policy's name.
     uses_prefix_match: ClassVar[bool] = False  # router fills WorkerView.matched_tokens
     uses_routing_key: ClassVar[bool] = False  # router extracts RouteContext.routing_key
+    # weighs WorkerView.setup_s: the router may then offer workers that need a setup
+    # (a LoRA adapter load) beside those that do not, and let the estimate decide
+    weighs_setup: ClassVar[bool] = False
 
     @abstractmethod
     def select(self, ctx: RouteContext) -> Decision:

@@ -11,7 +11,10 @@ field is ``None``: PERFORMANCE.md section 3, Llama-3-8B on an H100):
                                               the step a new prefill waits behind
     prefill_s = fixed + per_token * u + pair * u * (m + u / 2)
                                               u = prompt_tokens - m uncached, m matched
-    estimate  = queue_s + decode_s + prefill_s       (the decision record's score, seconds)
+    estimate  = queue_s + decode_s + setup_s + prefill_s
+                                              (the decision record's score, seconds;
+                                              setup_s: a LoRA adapter load, if one is
+                                              needed there: ``WorkerView.setup_s``)
     score     = estimate + work_weight * prefill_s
 
 ``work_weight`` charges a miss for the prefill work it adds to the fleet (which delays
@@ -157,6 +160,7 @@ def _most_room(pool: list[WorkerView]) -> list[WorkerView]:
 class MinTtftPolicy(Policy):
     name: ClassVar[str] = "min_ttft"
     uses_prefix_match: ClassVar[bool] = True
+    weighs_setup: ClassVar[bool] = True  # a LoRA load is time before the first token
 
     def __init__(
         self,
@@ -221,7 +225,7 @@ class MinTtftPolicy(Policy):
         matched = max(0, min(worker.matched_tokens, prompt_tokens))
         uncached = max(1, prompt_tokens - matched)  # the engine always computes >= 1 token
         prefill_s = c.fixed + c.per_token * uncached + c.pair * uncached * (matched + uncached / 2)
-        return queue_s + decode_s + prefill_s, prefill_s
+        return queue_s + decode_s + worker.setup_s + prefill_s, prefill_s
 
     def select(self, ctx: RouteContext) -> Decision:
         candidates = ctx.candidates

@@ -154,9 +154,13 @@ class RoutingCore:
         now: float,
         exact: ExactRequest | None = None,
         model: str | None = None,
+        setup_s: Mapping[str, float] | None = None,
     ) -> Choice:
         """Views of ``workers`` (non-empty) with this request's matches, and the policy's
-        pick among them; ``model``: the ``models:`` entry it falls under (its policy set)."""
+        pick among them; ``model``: the ``models:`` entry it falls under (its policy set);
+        ``setup_s``: per worker id, time before the request could start there (a LoRA
+        adapter to load first)."""
+        setup = setup_s or {}
         policies = self.policies_for(model)
         indexed = bool(req.block_hashes) and policies.uses_prefix_match
         matches: Mapping[str, int] = {}
@@ -171,6 +175,7 @@ class RoutingCore:
                 else req.matched_tokens(matches.get(w.id, 0)),
                 self.costs.cost(w.id),
                 self.index.free_sequences(w.id),
+                setup.get(w.id, 0.0),
             )
             for w in workers
         ]

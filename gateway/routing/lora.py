@@ -25,6 +25,11 @@ Contract:
   rate-bounded fleet-wide (``lora.load_rate_per_s``, ``lora.load_burst``: 503 beyond);
   a load's answer is read up to ``MAX_LOAD_ANSWER`` bytes, and a 200 whose
   ``loaded_adapters`` lacks the adapter (or ``success: false``) is a failed load.
+- The time a load takes is counted in the choice: each candidate lacking the adapter is
+  offered with the estimated load time (``WorkerView.setup_s``; the running mean of the
+  loads the gateway timed). For a policy that weighs it (``min_ttft``), the workers that
+  lack an adapter its holders have are offered too, so an idle worker loading it can beat
+  a hot adapter's busy holders: the adapter is then replicated (within the load rate).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -69,28 +75,48 @@ def adapter_not_found(adapter: str, why: str = "is not loaded on any worker") ->
     )
 
 
+DEFAULT_LOAD_S = 1.0  # an adapter load's duration until the gateway has timed one
+_LOAD_EWMA = 0.2  # weight of each newly timed load in the running estimate
+
+
 @dataclass
 class AdapterLoads:
-    """The gateway's load calls: those in flight, by (worker id, adapter), and the token
-    bucket bounding how many start. One per router (it owns it)."""
+    """The gateway's load calls: those in flight, by (worker id, adapter), the token
+    bucket bounding how many start, and how long one takes (the running mean of the
+    loads it timed, ``DEFAULT_LOAD_S`` before the first). One per router (it owns it)."""
 
     inflight: dict[tuple[str, str], asyncio.Task[str | None]] = field(default_factory=dict)
     tokens: float = -1.0  # -1: full (set at first use)
     stamp: float = 0.0
+    load_s: float = DEFAULT_LOAD_S
 
-    def take(self, config: LoraConfig, now: float) -> bool:
-        if config.load_rate_per_s <= 0:
-            return True
+    def _refill(self, config: LoraConfig, now: float) -> None:
         if self.tokens < 0:
             self.tokens = float(config.load_burst)
         else:
             elapsed = max(0.0, now - self.stamp)
             self.tokens = min(config.load_burst, self.tokens + elapsed * config.load_rate_per_s)
         self.stamp = now
+
+    def available(self, config: LoraConfig, now: float) -> bool:
+        """Whether a load could start now (the bucket is not taken from)."""
+        if config.load_rate_per_s <= 0:
+            return True
+        self._refill(config, now)
+        return self.tokens >= 1.0
+
+    def take(self, config: LoraConfig, now: float) -> bool:
+        if config.load_rate_per_s <= 0:
+            return True
+        self._refill(config, now)
         if self.tokens < 1.0:
             return False
         self.tokens -= 1.0
         return True
+
+    def timed(self, seconds: float) -> None:
+        """A successful load took ``seconds``: fold it into the estimate."""
+        self.load_s += _LOAD_EWMA * (max(0.0, seconds) - self.load_s)
 
 
 @functools.lru_cache(maxsize=4)
@@ -123,23 +149,33 @@ def lora_candidates(
     config: LoraConfig,
     registry: WorkerRegistry,
     loads: AdapterLoads,
-) -> tuple[list[Worker], str | None]:
+    others: Sequence[Worker] = (),
+) -> tuple[list[Worker], str | None, dict[str, float]]:
     """(the candidates for a request naming ``adapter``, the path to load it from on a
-    chosen worker that lacks it: None when every candidate holds it). Raises the 404, or
-    503 when the load rate is spent."""
+    chosen worker that lacks it: None when every candidate holds it, and the estimated
+    load time per candidate that lacks it). Raises the 404, or 503 when the load rate is
+    spent. ``others``: workers lacking the adapter to offer beside its holders (for a
+    policy that weighs the load time: a hot adapter's busy holders against an idle worker
+    that would load it, which replicates it), when a load could start now."""
     if all(adapter in w.adapters for w in workers):
-        return list(workers), None
+        if not others or config.unloaded != "load" or not loads.available(config, registry.clock()):
+            return list(workers), None, {}
+        path, parent, _ = _source(adapter, config, registry)
+        able = [w for w in others if _may_load(w, parent)] if path is not None else []
+        if not able:
+            return list(workers), None, {}
+        return [*workers, *able], path, dict.fromkeys((w.id for w in able), loads.load_s)
     if config.unloaded == "reject":
         raise adapter_not_found(adapter)
     path, parent, why = _source(adapter, config, registry)
     if path is None:
         raise adapter_not_found(adapter, why)
-    able = [w for w in workers if w.metadata.lora_enabled and (parent is None or w.serves(parent))]
+    able = [w for w in workers if _may_load(w, parent)]
     if not able:
         raise adapter_not_found(adapter)
     loading = [w for w in able if (w.id, adapter) in loads.inflight]
     if loading:  # it will be there soon: wait for that load rather than start another
-        return loading, path
+        return loading, path, {}
     if not loads.take(config, registry.clock()):
         raise GatewayError(
             503,
@@ -148,7 +184,13 @@ def lora_candidates(
             code="lora_load_rate_limited",
             retry_after=1.0,
         )
-    return able, path
+    lacking = (w.id for w in able if adapter not in w.adapters)
+    return able, path, dict.fromkeys(lacking, loads.load_s)
+
+
+def _may_load(worker: Worker, parent: str | None) -> bool:
+    """A worker the gateway may load an adapter of base model ``parent`` onto."""
+    return worker.metadata.lora_enabled and (parent is None or worker.serves(parent))
 
 
 async def load_adapter(
@@ -171,10 +213,17 @@ async def load_adapter(
             _load(session, worker, adapter_path, config, registry, dict(headers))
         )
         loads.inflight[key] = task
+        started = time.monotonic()
 
         def done(finished: asyncio.Task[str | None]) -> None:
             if loads.inflight.get(key) is finished:
                 del loads.inflight[key]
+            if (
+                not finished.cancelled()
+                and finished.exception() is None
+                and finished.result() is None
+            ):
+                loads.timed(time.monotonic() - started)
 
         task.add_done_callback(done)
     return await asyncio.shield(task)

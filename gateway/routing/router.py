@@ -173,6 +173,15 @@ class Router:
         self._request_timeout = config.server.request_timeout_s
         self._models = ModelRoutes.from_config(config)  # per-model policy and timeouts
 
+    def _replicas(
+        self, excluded: Sequence[str], model: str | None, adapter: str, key: str | None
+    ) -> list[Worker]:
+        """Workers lacking ``adapter`` to offer beside its holders, each with its load time
+        (``routing.lora``): only for a policy that weighs that time, with loads allowed."""
+        if self._lora.unloaded != "load" or not self.core.policies_for(key).live.weighs_setup:
+            return []
+        return [w for w in self.registry.candidates(excluded, model) if adapter not in w.adapters]
+
     def _prepare_exact(self, req: RouteRequest, model: str | None) -> PreparedExact | None:
         if self._exact is None or not self.core.policies_for(model).uses_prefix_match:
             return None
@@ -216,16 +225,19 @@ class Router:
                         status = 404
                         raise _model_not_found(model)
                     break
-                lora_path = None
+                lora_path: str | None = None
+                setup: dict[str, float] = {}
                 if adapter is not None:
+                    others = self._replicas(excluded, model, adapter, key)
                     try:
-                        workers, lora_path = lora_candidates(
-                            workers, adapter, self._lora, self.registry, self._loads
+                        workers, lora_path, setup = lora_candidates(
+                            workers, adapter, self._lora, self.registry, self._loads, others
                         )
                     except GatewayError as exc:  # unknown adapter, loads rate-limited
                         status = exc.status
                         raise
-                choice = self.core.choose(req, workers, self.registry.clock(), call.exact, key)
+                now = self.registry.clock()
+                choice = self.core.choose(req, workers, now, call.exact, key, setup)
                 worker = choice.worker
                 record = DecisionRecord.from_decision(
                     request_id=request_id,
@@ -246,6 +258,8 @@ class Router:
                 call.attempt = attempt
                 try:
                     if lora_path is not None and adapter not in worker.adapters:
+                        if any(adapter in w.adapters for w in workers):  # a replica: the
+                            self._loads.take(self._lora, now)  # load rate counts it too
                         await self._load_adapter(worker, adapter, lora_path)
                     if decode is not None:
                         response = await self._attempt_pd(call, choice, decode, record, final)

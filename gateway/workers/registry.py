@@ -230,6 +230,7 @@ class Worker:
         matched_tokens: int = 0,
         cost: WorkerCost | None = None,
         free_sequences: int | None = None,
+        setup_s: float = 0.0,
     ) -> WorkerView:
         """The policy's picture of this worker at ``now``."""
         load = self.engine_load
@@ -251,6 +252,7 @@ class Worker:
             matched_tokens=matched_tokens,
             cost=cost if cost is not None else WorkerCost(),
             free_sequences=free_sequences,
+            setup_s=setup_s,
         )
 
     def describe(self, now: float) -> dict[str, Any]:

@@ -89,9 +89,12 @@ class BenchSim(SimSettings):
     """The simulator's settings plus the reported model path (a local directory)."""
 
     model_path: str = ""
+    dp_size: int = 1  # data-parallel ranks per worker (SGLang's --dp-size)
 
     def args(self, k: int) -> list[str]:
         extra = ["--model-path", self.model_path] if self.model_path else []
+        if self.dp_size > 1:
+            extra += ["--dp-size", str(self.dp_size)]
         return [*SimSettings.args(self, k), *extra]
 
 
@@ -174,11 +177,16 @@ def run_contender(
 
     if contender == "direct":
         return measure(lambda n: urls[n % len(urls)])
-    router, _, policy = contender.partition(":")
+    router, _, spec = contender.partition(":")
+    policy, *flags = spec.split("+")  # gateway:min_ttft+--no-dp-aware: extra router flags
     name, extra = _router_args(router)
-    log = log_dir / f"{workload}-{contender.replace(':', '-')}.log"
-    with run_gateway(urls, policy, log, extra, router=name) as proc:
+    log = log_dir / f"{workload}-{_slug(contender)}.log"
+    with run_gateway(urls, policy, log, [*extra, *flags], router=name) as proc:
         return measure(lambda n: proc.url)
+
+
+def _slug(contender: str) -> str:
+    return "".join(c if c.isalnum() or c in "._" else "-" for c in contender)
 
 
 def _setup_line(
@@ -292,7 +300,7 @@ def orchestrate(
                 params = [*params, f"seed={args.seed}"]
             workload = create_workload(name, params).limited(args.max_requests)
             items = prepare(workload, args.speed, args.max_output_tokens)
-            bounds = bounds_of(workload, args.workers * capacity)
+            bounds = bounds_of(workload, args.workers * args.dp_size * capacity)
             setup = _setup_line(name, params, workload, items, args, capacity)
             report = WorkloadReport(name, setup, bounds)
             settings = BenchSim(
@@ -301,6 +309,7 @@ def orchestrate(
                 capacity_tokens=capacity,
                 max_running_requests=args.max_running_requests,
                 model_path=model_dir,
+                dp_size=args.dp_size,
             )
             with run_sim_fleet(args.workers, settings, log_dir / _slug_prefix(name)) as urls:
                 runs: dict[str, list[ContenderResult]] = {}
@@ -411,12 +420,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-tokens", type=int, default=32768, help="KV tokens per worker")
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument(
+        "--dp-size", type=int, default=1,
+        help="data-parallel ranks per simulated worker (each its own cache and KV)",
+    )  # fmt: skip
+    p.add_argument(
         "--workload", action="append", default=None, metavar="NAME[:k=v,...]",
         help=f"repeatable; default: {' and '.join(DEFAULT_WORKLOADS)}",
     )  # fmt: skip
     p.add_argument(
         "--contenders", nargs="+", default=list(DEFAULT_CONTENDERS),
-        help="gateway:<policy>, sglang-router:<policy>, direct",
+        help="gateway:<policy>, sglang-router:<policy>, direct; +FLAG appends a router "
+        "flag (gateway:min_ttft+--no-dp-aware, sglang-router:cache_aware+--dp-aware)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1, help="runs per contender, order alternated")

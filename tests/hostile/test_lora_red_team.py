@@ -370,7 +370,7 @@ def test_conflicts_stay_until_the_operator_names_a_path() -> None:
     with pytest.raises(GatewayError) as caught:
         lora_candidates([spare], "alpha", LoraConfig(), registry, AdapterLoads())
     assert caught.value.status == 404
-    chosen, path = lora_candidates(
+    chosen, path, _ = lora_candidates(
         [spare], "alpha", LoraConfig(paths=("alpha=/good",)), registry, AdapterLoads()
     )
     assert chosen == [spare] and path == "/good"

@@ -67,16 +67,31 @@ def test_adapter_requests_land_on_workers_with_the_adapter(
     if not candidates:
         return
     try:
-        chosen, path = lora_candidates(candidates, adapter, config, registry, AdapterLoads())
+        chosen, path, setup = lora_candidates(candidates, adapter, config, registry, AdapterLoads())
     except GatewayError as exc:
         assert exc.status == 404 and not holder_up
         return
     if holder_up:
-        assert path is None and chosen == candidates
+        assert path is None and chosen == candidates and setup == {}
     else:  # loadable: only LoRA-enabled workers, and a known path to load from
         assert unloaded == "load" or all(adapter in w.adapters for w in candidates)
         assert path is None or (path == f"/lora/{adapter}" and all(
             w.metadata.lora_enabled for w in chosen))  # fmt: skip
+        # every candidate lacking the adapter carries the load time, no holder does
+        assert set(setup) == {w.id for w in chosen if adapter not in w.adapters}
+    # offered beside healthy holders (a policy weighing load time): holders stay first,
+    # the others are loadable workers of the adapter's model, each with the load time
+    others = [w for w in registry.candidates(skip, model) if adapter not in w.adapters]
+    if holder_up and others:
+        widened, wpath, wsetup = lora_candidates(
+            candidates, adapter, config, registry, AdapterLoads(), others
+        )
+        assert widened[: len(candidates)] == candidates
+        extra = widened[len(candidates) :]
+        assert all(w.metadata.lora_enabled and adapter not in w.adapters for w in extra)
+        assert set(wsetup) == {w.id for w in extra}
+        assert unloaded == "load" or not extra
+        assert (wpath is None) == (not extra)
 
 
 @settings(max_examples=100, deadline=None)
