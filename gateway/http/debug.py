@@ -24,7 +24,7 @@ from gateway.routing.decisions import DecisionSource
 from gateway.telemetry import history
 from gateway.telemetry.history import FigureRing, ttft_percentiles
 from gateway.telemetry.hub import Telemetry
-from gateway.telemetry.series import WorkerStats
+from gateway.telemetry.series import Tally, WorkerStats
 from gateway.telemetry.snapshot import WorkerSnapshot
 
 DEFAULT_DECISIONS_LIMIT = 50
@@ -48,7 +48,7 @@ def _capped(rate: float | None) -> float | None:
     return None if rate is None else min(1.0, rate)
 
 
-def _hit_rates(ws: WorkerStats | None) -> dict[str, Any]:
+def _hit_rates(ws: Tally | None) -> dict[str, Any]:
     if ws is None:
         return dict.fromkeys(
             ("requests", "errors", "prompt_tokens", "predicted_tokens", "reported_tokens"), 0
@@ -106,6 +106,12 @@ def dashboard_data(telemetry: Telemetry, decisions: DecisionSource) -> dict[str,
         "workers": workers,
         "reasons": reasons,
         "decisions": [r.to_dict() for r in decisions.latest(DASHBOARD_DECISIONS)],
+        # per `model` label (gateway_model_*): requests and hit rates
+        "models": [
+            {"model": name, **_hit_rates(ms)}
+            for name, ms in sorted(telemetry.model_stats().items())
+            if ms.requests
+        ],
         "tuning": telemetry.tuning.summary(),
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 from aiohttp import ClientSession
@@ -14,6 +15,9 @@ from aiohttp import ClientSession
 from gateway.workers.registry import worker_id_for
 from loadtests.harness.inprocess import run_gateway, sim_faults
 from simulator.fleet import SimConfig, SimulatedFleet
+
+CHROMIUM = "/usr/bin/chromium"
+HAS_CHROMIUM = Path(CHROMIUM).exists()  # Debian's package (make browser-deps)
 
 
 def _chat(model: str, i: int) -> dict[str, Any]:
@@ -66,6 +70,11 @@ async def test_each_model_is_routed_by_its_own_policy(client: ClientSession) -> 
         assert status == 404
         async with client.get(gw.url + "/metrics") as resp:
             metrics = await resp.text()
+        async with client.get(gw.url + "/dashboard/data") as resp:
+            dashboard = {m["model"]: m for m in (await resp.json())["models"]}
+        if HAS_CHROMIUM:  # the page's Models table, in headless Chromium
+            rows = await _dashboard_models(gw.url)
+            assert rows == ["llama", "mistral", "other", "qwen"]
     by_model: dict[str, set[str]] = {}
     for d in decisions:
         by_model.setdefault(d["model"], set()).add(d["policy"])
@@ -92,6 +101,34 @@ async def test_each_model_is_routed_by_its_own_policy(client: ClientSession) -> 
     assert 'gateway_model_prompt_tokens_total{model="mistral"}' in metrics
     assert 'gateway_model_cached_tokens_total{kind="predicted",model="qwen"}' in metrics
     assert f'gateway_requests_total{{{route},status="404",worker="none"}} 1.0' in metrics
+    assert {m: d["requests"] for m, d in dashboard.items()} == {
+        "llama": 7,
+        "qwen": 4,
+        "mistral": 7,
+        "other": 1,
+    }
+    assert dashboard["qwen"]["reported_hit_rate"] is not None
+
+
+async def _dashboard_models(url: str) -> list[str]:
+    """The model rows the dashboard page shows, once it drew them."""
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--headless"])
+        try:
+            page = await browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(url + "/dashboard")
+            await page.wait_for_selector("#models-panel #models tbody tr", state="visible")
+            rows: list[str] = await page.eval_on_selector_all(
+                "#models tbody tr", "(rows) => rows.map((r) => r.dataset.model)"
+            )
+            assert errors == []
+            return rows
+        finally:
+            await browser.close()
 
 
 async def test_a_models_timeouts_bound_its_attempts_only(client: ClientSession) -> None:
