@@ -512,7 +512,11 @@ class Router:
         status = upstream.status
         if 200 <= status < 300:
             return None
-        body = await relay.read_whole(upstream)
+        try:
+            body = await relay.read_whole(upstream)
+        except relay.AttemptFailed as cut:  # cut or stalled: still this worker's failure
+            cut.worker = worker.id
+            raise
         upstream.release()
         if 400 <= status < 500 and status != 429:
             ctype = upstream.header("content-type") or "application/json"

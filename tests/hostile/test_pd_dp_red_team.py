@@ -1,0 +1,108 @@
+"""Red team of PD mode (prefill/decode pairs) and data-parallel ranks: a hostile client
+and misbehaving workers, scripted (``scripted_worker``) or simulated. Each test names
+what it found; each failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import orjson
+from scripted_worker import ScriptedWorker, StartWorker, http_response, replies
+
+from gateway.workers.registry import Worker
+from loadtests.harness.inprocess import GatewayHandle, run_gateway
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+DECODED = b'{"text":"ok","meta_info":{"cached_tokens":0,"completion_tokens":1}}'
+
+
+async def until(check: Any, what: str, within_s: float = 5.0) -> None:
+    """Wait (bounded, wide margin: a shared machine) until ``check()`` holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not check():
+        assert loop.time() < deadline, f"never held within {within_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def info(**fields: Any) -> bytes:
+    """A GET answer for every probe and metadata path: 200 with this JSON."""
+    return http_response(orjson.dumps({"model_path": "m", **fields}))
+
+
+def idle(gw: GatewayHandle) -> bool:
+    """Every lease returned, on every worker and every DP rank."""
+    return all(
+        t.in_flight == 0 and t.queued_prefill_tokens == 0 and t.decoding_requests == 0
+        for w in gw.registry
+        for t in (w, *w.ranks)
+    )
+
+
+def penalised(worker: Worker) -> bool:
+    """Outlier detection counted a failure against it (or ejected it already)."""
+    w = worker
+    return w.consecutive_connect_errors > 0 or w.consecutive_5xx > 0 or w.times_ejected > 0
+
+
+@asynccontextmanager
+async def pd_gateway(
+    prefills: list[ScriptedWorker], decodes: list[ScriptedWorker], **overrides: Any
+) -> AsyncIterator[GatewayHandle]:
+    """A PD gateway in front of scripted workers, once every one passed its probe and its
+    ``/server_info`` was read."""
+    async with run_gateway(
+        [],
+        pd__enabled=True,
+        pd__prefill=[f"{p.url} 8998" for p in prefills],
+        pd__decode=[d.url for d in decodes],
+        **overrides,
+    ) as gw:
+        total = len(prefills) + len(decodes)
+        await until(
+            lambda: (
+                gw.registry.healthy_count() == total and all(w.metadata.model for w in gw.registry)
+            ),
+            "every worker probed",
+        )
+        yield gw
+
+
+async def post(gw: GatewayHandle, path: str, body: Any) -> tuple[int, bytes]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            gw.url + path, data=body if isinstance(body, bytes) else orjson.dumps(body)
+        ) as resp,
+    ):
+        return resp.status, await resp.read()
+
+
+# --- the prefill's refusal, cut short, was blamed on the decode ------------------------
+
+
+async def test_a_prefill_error_cut_short_is_the_prefills_failure(scripted: StartWorker) -> None:
+    """A prefill answering a 500 head whose body it then cuts (or never finishes) raised
+    an AttemptFailed naming no worker, which ``_attempt_pd`` then put on the decode: the
+    healthy decode was penalised and excluded, so the retry found no decode and the
+    client got a 502 although another prefill was there."""
+    cut = b'HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100\r\n\r\n{"err'
+    bad = await scripted(replies(cut, keep=False))
+    bad.probe_answer = info(disaggregation_mode="prefill")
+    good = await scripted(replies(http_response(DECODED)))
+    good.probe_answer = info(disaggregation_mode="prefill")
+    decode = await scripted(replies(http_response(DECODED)))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    async with pd_gateway([bad, good], [decode]) as gw:
+        for _ in range(4):
+            status, body = await post(gw, "/generate", {"text": "hello"})
+            assert status == 200, body
+        assert bad.posts >= 1  # round robin: the bad prefill was tried
+        by_url = {w.url: w for w in gw.registry}
+        assert not penalised(by_url[decode.url]) and penalised(by_url[bad.url])
+        await until(lambda: idle(gw), "leases returned")
+
