@@ -9,8 +9,9 @@ Contract:
   ``bootstrap_room``, a fresh random integer per attempt. One scalar room serves a batch
   too: SGLang expands it to ``room + i`` per item on both servers alike
   (``GenerateReqInput._normalize_bootstrap_params``), so the room is drawn below
-  ``2**63 - 2**32``. The client's own bootstrap fields, rid and DP rank members are
-  replaced (a client cannot pick another request's room). The same body goes to both.
+  ``2**63 - 2**32``; for a prefill's DP rank, a room of that rank (:func:`new_room`).
+  The client's own bootstrap fields, rid and DP rank members are replaced (a client
+  cannot pick another request's room). The same body goes to both.
 - :func:`wants_input_logprobs`: the request asks for input logprobs that only the prefill
   computes (``/generate`` with ``return_logprob``; the OpenAI routes carry none in their
   answers, so nothing is merged there, as sglang-router).
@@ -39,9 +40,15 @@ BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 _ROOM_BOUND = (1 << 63) - (1 << 32)  # room + i stays a 63-bit integer for any batch
 
 
-def new_room() -> int:
-    """A bootstrap room: random, 63-bit (sglang-router's range), batch headroom left."""
-    return secrets.randbelow(_ROOM_BOUND)
+def new_room(rank: int | None = None, ranks: int = 1) -> int:
+    """A bootstrap room: random, 63-bit (sglang-router's range), batch headroom left. For
+    DP rank ``rank`` of a prefill with ``ranks`` ranks, one with ``room % ranks == rank``:
+    SGLang's decode fetches the KV from that rank (``_resolve_prefill_dp_rank``), and its
+    prefill puts the request there by default (``follow_bootstrap_room``), failing one
+    pinned elsewhere ("follow_bootstrap_room conflict")."""
+    if rank is None or ranks <= 1:
+        return secrets.randbelow(_ROOM_BOUND)
+    return secrets.randbelow(_ROOM_BOUND // ranks) * ranks + rank
 
 
 def bootstrap_host(url: str) -> str:

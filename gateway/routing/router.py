@@ -397,7 +397,7 @@ class Router:
         released in the one ``finally`` below."""
         req, pw, dw = call.req, choice.worker, decode.worker
         rid = None if req.batch else new_rid()
-        room = pd_rules.new_room()
+        room = pd_rules.new_room(pw.dp_rank, len(pw.server.ranks))  # a DP rank's own room
         port = pw.bootstrap_port or pw.metadata.bootstrap_port
         plea = self.core.dispatch(req, choice, self.registry.clock(), call.exact)
         dlea = Lease(dw, 0)  # a decode server computes no prompt: no prefill tokens
@@ -412,10 +412,10 @@ class Router:
         d_up: UpstreamResponse | None = None
         drain: asyncio.Task[bytes | None] | None = None
         try:
-            bodies = [
-                pd_rules.pair_body(req.body, pw.url, port, room, self._members(w, rid))
-                for w in (pw, dw)
-            ]
+            members = [self._members(w, rid) for w in (pw, dw)]
+            if req.batch:  # item i's KV is at rank (room + i) % ranks: the room places it
+                members[0] = {k: v for k, v in members[0].items() if k not in DP_RANK_KEYS}
+            bodies = [pd_rules.pair_body(req.body, pw.url, port, room, m) for m in members]
             sent_at = time.perf_counter()
             p_up, d_up = await self._send_pair(call, (pw, dw), rid, bodies)
             refused = await self._prefill_refused(p_up, pw)

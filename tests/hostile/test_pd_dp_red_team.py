@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from scripted_worker import ScriptedWorker, StartWorker, http_response, replies
+from scripted_worker import Exchange, ScriptedWorker, StartWorker, http_response, replies
 
 from gateway.workers.registry import Worker
 from loadtests.harness.inprocess import GatewayHandle, run_gateway
@@ -106,3 +106,47 @@ async def test_a_prefill_error_cut_short_is_the_prefills_failure(scripted: Start
         assert not penalised(by_url[decode.url]) and penalised(by_url[bad.url])
         await until(lambda: idle(gw), "leases returned")
 
+
+# --- PD with a DP prefill: the pinned rank and the room disagreed -----------------------
+
+
+def _prefill_ranks(exchange: Exchange) -> list[tuple[int, int]]:
+    """Per batch item: (the rank SGLang's prefill puts it on, the rank its decode fetches
+    the KV from). SGLang 0.5.23: a prefill routes by ``routed_dp_rank`` when set, else
+    by its default ``follow_bootstrap_room`` (``room % dp_size``); a decode finds the
+    prefill's rank as ``room % dp_size`` (``_resolve_prefill_dp_rank``), and a prefill
+    whose rank differs fails the request ("follow_bootstrap_room conflict"). A scalar
+    room is ``room + i`` for item ``i``."""
+    body = orjson.loads(exchange.body)
+    room, pinned = body["bootstrap_room"], body.get("routed_dp_rank")
+    items = len(body["text"]) if isinstance(body["text"], list) else 1
+    return [
+        (pinned if pinned is not None else (room + i) % 4, (room + i) % 4) for i in range(items)
+    ]
+
+
+async def test_a_dp_prefill_gets_the_room_of_its_rank(scripted: StartWorker) -> None:
+    """The gateway pinned the prefill rank it chose (``routed_dp_rank``) but drew the
+    room at random: SGLang's decode looks for the KV at ``room % dp_size``, so 3 requests
+    in 4 failed on a real 4-rank prefill, and a batch's items after the first always."""
+    batch = http_response(orjson.dumps([orjson.loads(DECODED)] * 3))
+    prefill = await scripted(replies(http_response(DECODED)))
+    prefill.probe_answer = info(disaggregation_mode="prefill", dp_size=4, version="0.5.23")
+    decode = await scripted(replies(http_response(DECODED)))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    async with pd_gateway([prefill], [decode]) as gw:
+        assert len(gw.registry.find(prefill.url).ranks) == 4  # type: ignore[union-attr]
+        for i in range(8):
+            status, body = await post(gw, "/generate", {"text": f"hello {i}"})
+            assert status == 200, body
+        decode.answer = replies(batch)
+        prefill.answer = replies(batch)
+        for i in range(4):
+            status, body = await post(gw, "/generate", {"text": ["a", "b", f"c {i}"]})
+            assert status == 200, body
+        pinned = {orjson.loads(e.body).get("routed_dp_rank") for e in prefill.inference[:8]}
+        assert pinned == {0, 1, 2, 3}  # each rank was chosen: the gateway routes per rank
+        for exchange in prefill.inference:
+            for put, fetched in _prefill_ranks(exchange):
+                assert put == fetched, exchange.body
+        await until(lambda: idle(gw), "leases returned")
