@@ -38,6 +38,13 @@ class SimSettings:
     capacity_tokens: int = 4200  # sglang only
     max_running_requests: int | None = 2  # sglang only; None: SGLang's formula
     page_size: int = 1  # sglang only
+    # prefill/decode disaggregation (sglang only, docs/PD.md section 8): "null", "prefill"
+    # or "decode"; a prefill fleet's worker i serves its bootstrap server on
+    # bootstrap_port + i (0: ephemeral, as /server_info then reports); a decode's is the
+    # prefill port it assumes for a request whose bootstrap_port is null (0: SGLang's 8998)
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 0
+    transfer_profile: str = ""  # the simulated KV link ("": the simulator's default)
 
     def args(self, k: int) -> list[str]:
         common = [
@@ -59,8 +66,18 @@ class SimSettings:
         )  # fmt: skip
         return [
             *common, "--capacity-tokens", str(self.capacity_tokens), *running,
-            "--page-size", str(self.page_size), "--enable-cache-report",
+            "--page-size", str(self.page_size), "--enable-cache-report", *self._pd_args(),
         ]  # fmt: skip
+
+    def _pd_args(self) -> list[str]:
+        if self.disaggregation_mode == "null":
+            return []
+        args = ["--disaggregation-mode", self.disaggregation_mode]
+        if self.bootstrap_port or self.disaggregation_mode == "prefill":
+            args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        if self.transfer_profile:
+            args += ["--transfer-profile", self.transfer_profile]
+        return args
 
 
 def _read_urls(stdout_path: Path, k: int) -> list[str]:
