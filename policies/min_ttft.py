@@ -157,6 +157,9 @@ def _most_room(pool: list[WorkerView]) -> list[WorkerView]:
     return [w for w in pool if w.free_sequences == most]
 
 
+_FORGET_AFTER = 64  # share windows without being offered: a worker's share is forgotten
+
+
 class MinTtftPolicy(Policy):
     name: ClassVar[str] = "min_ttft"
     uses_prefix_match: ClassVar[bool] = True
@@ -207,6 +210,7 @@ class MinTtftPolicy(Policy):
         self._affinity_factor = affinity_factor
         self._affinity_s = affinity_s
         self._shares: dict[str, float] = {}  # worker id -> EWMA share of decisions
+        self._touched: dict[str, int] = {}  # worker id -> the decision it was last offered
         self._decisions = 0  # decisions remembered so far, for the EWMA's warm-up
 
     def estimate(self, worker: WorkerView, prompt_tokens: int) -> tuple[float, float]:
@@ -303,13 +307,19 @@ class MinTtftPolicy(Policy):
         self._decisions += 1
         alpha = max(1.0 / self._share_window, 1.0 / (self._decisions + len(candidates) - 1))
         shares, fair = self._shares, 1.0 / len(candidates)
+        touched = self._touched
         for w in candidates:
             share = shares.get(w.id, fair) * (1.0 - alpha)
             shares[w.id] = share + alpha if w.id == chosen else share
-        if len(shares) > 4 * len(candidates):  # workers gone for good: bounded memory
-            ids = {w.id for w in candidates}
-            for wid in [k for k in shares if k not in ids]:
-                del shares[wid]
+            touched[w.id] = self._decisions
+        # Only the candidates' shares move, so each model's workers (a request is offered
+        # only those of its model) keep shares of their own model's decisions. Memory is
+        # bounded by forgetting workers no decision offered for a long while (gone for
+        # good), never those of another model that is merely quiet for a moment.
+        if len(shares) > 4 * len(candidates):
+            stale = self._decisions - _FORGET_AFTER * self._share_window
+            for wid in [k for k, seen in touched.items() if seen < stale]:
+                del shares[wid], touched[wid]
 
     @staticmethod
     def _reason(chosen: WorkerView, candidates: Sequence[WorkerView]) -> str:

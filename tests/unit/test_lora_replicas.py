@@ -68,3 +68,18 @@ def test_the_load_time_is_learnt_from_timed_loads() -> None:
     for _ in range(40):
         loads.timed(0.2)
     assert abs(loads.load_s - 0.2) < 0.01
+
+
+def test_min_ttft_keeps_each_models_shares_apart() -> None:
+    """Ten models of two workers each: one model's decisions must not reset another's
+    shares (the bounded-load memory used to forget every worker not offered right now)."""
+    policy = MinTtftPolicy()
+    rng = random.Random(0)
+    fleets = [[WorkerView(f"m{m}-w{i}", cost=COST) for i in range(2)] for m in range(10)]
+    for _ in range(50):
+        for fleet in fleets:
+            policy.select(RouteContext(prompt_tokens=100, candidates=fleet, rng=rng))
+    shares = policy._shares
+    assert len(shares) == 20
+    for fleet in fleets:
+        assert abs(sum(shares[w.id] for w in fleet) - 1.0) < 1e-6
