@@ -14,7 +14,8 @@ Contract:
   client sent (re-serialising that rare body with orjson) or appending one (bytes
   inserted before the closing brace, nothing else touched: the common case);
   :func:`body_with_members` does the same for any members (the rid and the DP rank the
-  gateway chose), removing the client's own spellings of them.
+  gateway chose), removing the client's own spellings of them. A body it must
+  re-serialise but cannot (nested over 254 levels) is the client's 400.
 - :func:`forwarded_headers` is the client's headers minus hop-by-hop ones (RFC 9110
   §7.6.1: the fixed list, ``Proxy-Connection``, and every name the client's
   ``Connection`` header lists), minus the body's encoding (aiohttp decoded the body the
@@ -33,6 +34,8 @@ from collections.abc import Iterable, Mapping
 from urllib.parse import unquote, urlsplit
 
 import orjson
+
+from gateway.errors import GatewayError
 
 # Never forwarded in either direction (RFC 9110 §7.6.1), plus lengths aiohttp recomputes.
 HOP_BY_HOP = frozenset(
@@ -94,7 +97,10 @@ def body_with_members(
         for key in drop:
             obj.pop(key, None)
         obj.update(members)
-        return orjson.dumps(obj)
+        try:
+            return orjson.dumps(obj)
+        except orjson.JSONEncodeError:  # read to 1,024 levels deep, written to 254
+            raise GatewayError(400, "the request body is nested too deeply") from None
     close = body.rindex(b"}")
     sep = b"" if body[:close].rstrip().endswith(b"{") else b","
     added = b",".join(orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in members.items())

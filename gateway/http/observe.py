@@ -129,6 +129,8 @@ class TelemetryHooks(RouterHooks):
         exc = sys.exception()
         if isinstance(exc, ClientGone | asyncio.CancelledError):
             status = STATUS_CLIENT_GONE
+        elif isinstance(exc, GatewayError):  # raised mid-attempt (a body it cannot send)
+            status = exc.status
         outcome = record.outcome if record is not None else None
         if outcome is not None and worker is not None and outcome.status >= 429:
             self._t.upstream_error(worker.id, upstream_error_kind("status", outcome.status))

@@ -150,3 +150,37 @@ async def test_a_dp_prefill_gets_the_room_of_its_rank(scripted: StartWorker) -> 
             for put, fetched in _prefill_ranks(exchange):
                 assert put == fetched, exchange.body
         await until(lambda: idle(gw), "leases returned")
+
+
+# --- bodies the gateway could parse but not write back -----------------------------------
+
+DEEP = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"x":' + b"[" * 300
+DEEP += b"]" * 300 + b"}"  # valid JSON (orjson reads 1,024 levels; writes 254)
+
+
+async def test_a_deeply_nested_body_is_the_clients_error_not_a_500(
+    scripted: StartWorker,
+) -> None:
+    """A body nested 255-1,024 levels deep parses, but orjson cannot write it back: every
+    PD request (the pair's body is re-serialised) and, outside PD mode, one carrying a
+    ``rid`` (replaced by the gateway's) raised TypeError: a 500 "the gateway failed to
+    handle the request", nothing sent. (A 400 raised mid-attempt was counted as a 503.)"""
+    prefill = await scripted(replies(http_response(DECODED)))
+    prefill.probe_answer = info(disaggregation_mode="prefill")
+    decode = await scripted(replies(http_response(DECODED)))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    async with pd_gateway([prefill], [decode]) as gw:
+        status, body = await post(gw, "/v1/chat/completions", DEEP)
+        assert status == 400, body
+        assert b"nested" in body and not prefill.posts and not decode.posts
+        await until(lambda: idle(gw), "leases returned")
+    worker = await scripted(replies(http_response(DECODED)))
+    async with run_gateway([worker.url], worker_kind="sglang") as gw:
+        status, body = await post(gw, "/v1/chat/completions", DEEP[:-1] + b',"rid":"mine"}')
+        assert status == 400, body
+        async with aiohttp.ClientSession() as session, session.get(gw.url + "/metrics") as resp:
+            metrics = await resp.text()
+        assert 'status="400"' in metrics and 'status="503"' not in metrics  # counted as 503
+        status, body = await post(gw, "/v1/chat/completions", DEEP)  # untouched: forwarded
+        assert status == 200, body
+        assert worker.inference[-1].body.startswith(DEEP[:-1])
