@@ -17,7 +17,8 @@ Contract:
   answers, so nothing is merged there, as sglang-router).
 - :func:`input_logprobs` reads them from the prefill's answer (a JSON body or its stream's
   events); :func:`merger` returns the transform that prepends them to the decode's
-  ``meta_info.input_token_logprobs`` (a batch's list item by item).
+  ``meta_info.input_token_logprobs`` (a batch's list item by item; a body or event it
+  cannot parse or write back, as it came).
 
 Cost: one JSON parse and serialisation of the body per attempt; a logprob merge parses
 and re-serialises each event of that (rare) request.
@@ -139,7 +140,7 @@ def merger(prefill: list[Any]) -> Callable[[bytes], bytes]:
         if not data.lstrip().startswith(b"data:"):
             try:
                 return orjson.dumps(merge_doc(orjson.loads(data)))
-            except orjson.JSONDecodeError:
+            except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # too deep to write
                 return data
         out = []
         for block in data.split(b"\n\n"):
@@ -148,7 +149,7 @@ def merger(prefill: list[Any]) -> Callable[[bytes], bytes]:
                 try:
                     doc = orjson.loads(line[5:].strip())
                     block = b"data: " + orjson.dumps(merge_doc(doc))
-                except orjson.JSONDecodeError:
+                except (orjson.JSONDecodeError, orjson.JSONEncodeError):
                     pass
             out.append(block)
         return b"\n\n".join(out)

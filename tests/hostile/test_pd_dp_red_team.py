@@ -184,3 +184,43 @@ async def test_a_deeply_nested_body_is_the_clients_error_not_a_500(
         status, body = await post(gw, "/v1/chat/completions", DEEP)  # untouched: forwarded
         assert status == 200, body
         assert worker.inference[-1].body.startswith(DEEP[:-1])
+
+
+def _sse(*docs: bytes) -> bytes:
+    events = b"".join(b"data: " + d + b"\n\n" for d in docs) + b"data: [DONE]\n\n"
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    return head + b"Content-Length: %d\r\n\r\n" % len(events) + events
+
+
+async def test_a_decode_answer_too_deep_to_merge_is_relayed_as_it_came(
+    scripted: StartWorker,
+) -> None:
+    """With ``return_logprob`` the prefill's input logprobs are merged into the decode's
+    answer, re-serialised: a decode answer nested over 254 levels made that raise, a 500
+    for a plain answer and a stream cut without its error event or ``[DONE]``."""
+    deep = b"[" * 300 + b"]" * 300
+    plain = b'{"text":"ok","meta_info":{"input_token_logprobs":[[-0.1,2,null]],"x":%s}}' % deep
+    prefill_lp = b'{"text":"","meta_info":{"input_token_logprobs":[[-0.5,1,null]]}}'
+    prefill = await scripted(replies(http_response(prefill_lp)))
+    prefill.probe_answer = info(disaggregation_mode="prefill")
+    decode = await scripted(replies(http_response(plain)))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    async with pd_gateway([prefill], [decode]) as gw:
+        ask = {"text": "hello", "return_logprob": True}
+        status, body = await post(gw, "/generate", ask)
+        assert status == 200 and body == plain, body
+        decode.answer = replies(_sse(plain))
+        prefill.answer = replies(_sse(prefill_lp))
+        status, body = await post(gw, "/generate", {**ask, "stream": True})
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n"), body[-200:]
+        assert plain in body
+        # a merge that can be written still happens
+        merged = b'{"text":"ok","meta_info":{"input_token_logprobs":[[-0.1,2,null]]}}'
+        decode.answer = replies(http_response(merged))
+        prefill.answer = replies(http_response(prefill_lp))
+        status, body = await post(gw, "/generate", ask)
+        assert orjson.loads(body)["meta_info"]["input_token_logprobs"] == [
+            [-0.5, 1, None],
+            [-0.1, 2, None],
+        ]
+        await until(lambda: idle(gw), "leases returned")
