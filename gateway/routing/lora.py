@@ -188,6 +188,36 @@ def lora_candidates(
     return able, path, dict.fromkeys(lacking, loads.load_s)
 
 
+def adapter_candidates(
+    registry: WorkerRegistry,
+    workers: Sequence[Worker],
+    excluded: Sequence[str],
+    model: str | None,
+    adapter: str,
+    config: LoraConfig,
+    loads: AdapterLoads,
+    weighs_setup: bool,
+) -> tuple[list[Worker], str | None, dict[str, float]]:
+    """:func:`lora_candidates` of ``workers`` (the registry's candidates for ``model`` and
+    ``adapter``, minus ``excluded``), offered beside its holders the workers lacking the
+    adapter when the policy weighs the load time (``weighs_setup``) and loads are allowed:
+    the live router's and the offline replay's one call."""
+    others: list[Worker] = []
+    if config.unloaded == "load" and weighs_setup:
+        others = [w for w in registry.candidates(excluded, model) if adapter not in w.adapters]
+    return lora_candidates(workers, adapter, config, registry, loads, others)
+
+
+def replica_load(
+    workers: Sequence[Worker], adapter: str, config: LoraConfig, loads: AdapterLoads, now: float
+) -> None:
+    """A load of ``adapter`` is about to start on a chosen worker lacking it: when its
+    holders were among the candidates ``workers`` (a replica), the load rate counts it
+    too (:func:`lora_candidates` took a token for a first load only)."""
+    if any(adapter in w.adapters for w in workers):
+        loads.take(config, now)
+
+
 def _may_load(worker: Worker, parent: str | None) -> bool:
     """A worker the gateway may load an adapter of base model ``parent`` onto."""
     return worker.metadata.lora_enabled and (parent is None or worker.serves(parent))

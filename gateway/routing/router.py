@@ -48,7 +48,7 @@ from gateway.routing import pd as pd_rules
 from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionRecord
 from gateway.routing.lease import Lease
-from gateway.routing.lora import AdapterLoads, load_adapter, lora_candidates
+from gateway.routing.lora import AdapterLoads, adapter_candidates, load_adapter, replica_load
 from gateway.routing.models import ModelRoute, ModelRoutes
 from gateway.routing.request import DP_RANK_KEYS, ApiKind, RouteRequest
 from gateway.routing.slot_gate import SlotGate
@@ -173,15 +173,6 @@ class Router:
         self._request_timeout = config.server.request_timeout_s
         self._models = ModelRoutes.from_config(config)  # per-model policy and timeouts
 
-    def _replicas(
-        self, excluded: Sequence[str], model: str | None, adapter: str, key: str | None
-    ) -> list[Worker]:
-        """Workers lacking ``adapter`` to offer beside its holders, each with its load time
-        (``routing.lora``): only for a policy that weighs that time, with loads allowed."""
-        if self._lora.unloaded != "load" or not self.core.policies_for(key).live.weighs_setup:
-            return []
-        return [w for w in self.registry.candidates(excluded, model) if adapter not in w.adapters]
-
     def _prepare_exact(self, req: RouteRequest, model: str | None) -> PreparedExact | None:
         if self._exact is None or not self.core.policies_for(model).uses_prefix_match:
             return None
@@ -228,11 +219,12 @@ class Router:
                 lora_path: str | None = None
                 setup: dict[str, float] = {}
                 if adapter is not None:
-                    others = self._replicas(excluded, model, adapter, key)
+                    weighs = self.core.policies_for(key).live.weighs_setup
                     try:
-                        workers, lora_path, setup = lora_candidates(
-                            workers, adapter, self._lora, self.registry, self._loads, others
-                        )
+                        workers, lora_path, setup = adapter_candidates(
+                            self.registry, workers, excluded, model, adapter, self._lora,
+                            self._loads, weighs,
+                        )  # fmt: skip
                     except GatewayError as exc:  # unknown adapter, loads rate-limited
                         status = exc.status
                         raise
@@ -258,8 +250,8 @@ class Router:
                 call.attempt = attempt
                 try:
                     if lora_path is not None and adapter not in worker.adapters:
-                        if any(adapter in w.adapters for w in workers):  # a replica: the
-                            self._loads.take(self._lora, now)  # load rate counts it too
+                        assert adapter is not None  # a path comes only with an adapter
+                        replica_load(workers, adapter, self._lora, self._loads, now)
                         await self._load_adapter(worker, adapter, lora_path)
                     if decode is not None:
                         response = await self._attempt_pd(call, choice, decode, record, final)
