@@ -3,7 +3,8 @@
 Contract: pure functions from a worker's reply (parsed JSON or raw bytes) to what the
 gateway keeps (:class:`~gateway.workers.registry.WorkerMetadata`, an
 :class:`~policies.base.EngineLoad` with the capacity if told); None (or defaults) for a
-shape they do not understand, never an exception. The worker kinds (``kinds``) call them;
+shape they do not understand, never an exception; a load figure that is no count (NaN,
+infinite, negative, over 2**53) is none. The worker kinds (``kinds``) call them;
 health probes and the load poller read through the kinds.
 """
 
@@ -70,9 +71,20 @@ def parse_adapters(body: Any) -> tuple[dict[str, str], dict[str, str]] | None:
     return adapters, parents
 
 
+# A worker's count or usage beyond this (or negative, or not a number) is no reading:
+# 0. Sums of such figures stay finite (two of 1e308 overflowed ``int()``).
+_MAX_FIGURE = float(2**53)
+
+
+def _figure(value: object) -> float | None:
+    """``value`` as a load figure, or None (see ``_MAX_FIGURE``)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    return float(value) if 0 <= value <= _MAX_FIGURE else None  # NaN fails both
+
+
 def _num(entry: Mapping[str, Any], key: str) -> float:
-    value = entry.get(key)
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+    return _figure(entry.get(key)) or 0.0
 
 
 def _load_entries(body: Any, key: str | None) -> list[dict[str, Any]] | None:
@@ -86,7 +98,7 @@ def _load_entries(body: Any, key: str | None) -> list[dict[str, Any]] | None:
 
 def _v1_loads(entries: list[dict[str, Any]]) -> LoadReading:
     uncached = [
-        e["num_waiting_uncached_tokens"]
+        int(_num(e, "num_waiting_uncached_tokens"))
         for e in entries
         if isinstance(e.get("num_waiting_uncached_tokens"), int)
     ]
@@ -156,8 +168,10 @@ def parse_metrics(text: str) -> EngineLoad | None:
         name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
         value_text = rest.rsplit(" ", 1)[-1] if rest else ""
         try:
-            value = float(value_text)
+            value = _figure(float(value_text))
         except ValueError:
+            continue
+        if value is None:  # NaN, infinite, negative or absurd
             continue
         if name == "sglang:num_running_reqs":
             running += value

@@ -224,3 +224,46 @@ async def test_a_decode_answer_too_deep_to_merge_is_relayed_as_it_came(
             [-0.1, 2, None],
         ]
         await until(lambda: idle(gw), "leases returned")
+
+
+# --- a worker's load figures -------------------------------------------------------------
+
+
+async def test_hostile_load_figures_neither_stop_polling_nor_reach_policies(
+    scripted: StartWorker,
+) -> None:
+    """``/v1/loads`` entries are summed over DP ranks: two of 1e308 running requests made
+    ``int(inf)`` raise OverflowError in the load poller, whose loop then ended: no
+    worker's load was read again (the others' figures aged for good); so did ``+Inf`` in
+    ``/metrics``. Negative counts and usage reached the policies as they came."""
+    huge = {"num_running_reqs": 1e308, "num_waiting_reqs": -5, "token_usage": -1e300}
+    entries = [{"dp_rank": r, **huge, "max_total_num_tokens": 1e308} for r in (0, 1)]
+    entries += [{"dp_rank": 7, "num_waiting_uncached_tokens": -9}, [], {"dp_rank": True}]
+    hostile = await scripted(replies(http_response(DECODED)))
+    hostile.probe_answer = info(dp_size=2, loads=entries)
+    honest = await scripted(replies(http_response(DECODED)))
+    honest.probe_answer = info(loads=[{"dp_rank": 0, "num_running_reqs": 3}])
+    metrics = await scripted(replies(http_response(DECODED)))  # /metrics only parses
+    metrics.probe_answer = http_response(
+        b'sglang:num_running_reqs 2\nsglang:num_running_reqs{dp_rank="1"} +Inf\n'
+        b"sglang:num_queue_reqs NaN\nsglang:token_usage -3\n",
+        ctype="text/plain",
+    )
+    urls = [hostile.url, honest.url, metrics.url]
+    async with run_gateway(urls, worker_kind="sglang") as gw:
+        fine, bad, text = (gw.registry.find(u) for u in urls[1::-1] + urls[2:])
+        assert fine is not None and bad is not None and text is not None
+        await until(lambda: fine.load_read_at > 0 and bool(bad.ranks), "first polls")
+        polled = sum(1 for e in hostile.exchanges if e.target == "/v1/loads")
+        read_at = fine.load_read_at
+        await until(lambda: fine.load_read_at > read_at, "the honest worker polled again")
+        assert sum(1 for e in hostile.exchanges if e.target == "/v1/loads") > polled
+        await until(lambda: text.engine_load is not None, "/metrics read")
+        for target in (bad, *bad.ranks, text):
+            load = target.engine_load
+            assert load is not None
+            assert 0 <= load.running_requests < 2**53 and load.waiting_requests >= 0
+            assert load.token_usage >= 0.0 and (load.waiting_uncached_tokens or 0) >= 0
+        assert text.engine_load is not None and text.engine_load.running_requests == 2
+        status, body = await post(gw, "/v1/chat/completions", CHAT)
+        assert status == 200, body
