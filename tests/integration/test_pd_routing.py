@@ -137,3 +137,18 @@ async def test_a_dead_side_before_the_first_byte_is_retried_on_a_new_pair(
         failed = [r for r in records if r.outcome is not None and r.outcome.status != 200]
         assert failed and all(side_of(r) == dead for r in failed)
         assert all(r.outcome.retries == 1 for r in ok if r.outcome and r.outcome.retries)
+
+
+async def test_a_request_the_prefill_refuses_is_answered_with_its_error(
+    client: ClientSession,
+) -> None:
+    async with _pd_fleet(1, 1) as (pf, df, gw):
+        bad = {"model": "m", "messages": _messages("x"), "max_tokens": 10**7}  # > context
+        async with client.post(gw.url + "/v1/chat/completions", json=bad) as resp:
+            assert resp.status == 400, await resp.text()
+            body = await resp.json()
+        assert "error" in body or body.get("object") == "error", body
+        record = gw.router.decisions.latest(1)[0]
+        assert record.outcome is not None and record.outcome.status == 400
+        # nothing is left counted on either side
+        assert all(w.in_flight == 0 for w in gw.registry.targets())
