@@ -476,12 +476,18 @@ class Router:
             asyncio.ensure_future(self._send(call, w, rid, b))
             for w, b in zip(pair, bodies, strict=True)
         ]
+        waited = False
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            waited = True
         finally:  # the other send, when one failed (or this one was cancelled)
             for task in tasks:
                 task.cancel()  # a no-op on a finished one
             await asyncio.gather(*tasks, return_exceptions=True)
+            if not waited:  # cancelled (the client left): a head that came is closed too
+                for task in tasks:
+                    if not task.cancelled() and task.exception() is None:
+                        task.result().close()
         heads: list[UpstreamResponse] = []
         failure: BaseException | None = None
         for task, side in zip(tasks, pair, strict=True):

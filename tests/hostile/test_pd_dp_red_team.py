@@ -267,3 +267,62 @@ async def test_hostile_load_figures_neither_stop_polling_nor_reach_policies(
         assert text.engine_load is not None and text.engine_load.running_requests == 2
         status, body = await post(gw, "/v1/chat/completions", CHAT)
         assert status == 200, body
+
+
+# --- a client that leaves while the pair's heads come in -------------------------------
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+STREAM_HEAD += b"Transfer-Encoding: chunked\r\n\r\n"
+KEEP = b"%x\r\n%s\r\n" % (len(b": keep\n\n"), b": keep\n\n")
+
+
+def _held(closed: asyncio.Event, head: bool, until_set: asyncio.Event) -> Any:
+    """A worker that reads the request, writes a stream's head (``head``) then a comment
+    every 20 ms, or nothing, until the gateway closes the connection (``closed`` set) or
+    the test ends (``until_set``)."""
+
+    async def answer(exchange: Exchange, writer: asyncio.StreamWriter, n: int) -> bool:
+        try:
+            if head:
+                writer.write(STREAM_HEAD)
+            while not until_set.is_set():
+                if head:
+                    writer.write(KEEP)
+                    await writer.drain()
+                await asyncio.sleep(0.02)
+        except ConnectionError:
+            closed.set()
+        return False
+
+    return answer
+
+
+async def test_a_client_leaving_between_the_pairs_heads_closes_both(
+    scripted: StartWorker,
+) -> None:
+    """The client leaves once the prefill's head came and while the decode's is awaited:
+    ``_send_pair`` cancelled the decode's send but dropped the prefill's head unclosed
+    (``p_up`` was not yet assigned), so its connection stayed open, read into a buffer,
+    until the request's deadline or the stream's idle timeout (120 s)."""
+    closed, end = asyncio.Event(), asyncio.Event()
+    prefill = await scripted(_held(closed, True, end))
+    prefill.probe_answer = info(disaggregation_mode="prefill")
+    decode = await scripted(_held(asyncio.Event(), False, end))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    try:
+        async with pd_gateway([prefill], [decode]) as gw:
+            port = int(gw.url.rsplit(":", 1)[1])
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            request = orjson.dumps({**CHAT, "stream": True})
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(request), request)
+            )
+            await until(lambda: bool(prefill.posts and decode.posts), "both sent")
+            await asyncio.sleep(0.1)  # the prefill's head is in
+            writer.close()
+            await asyncio.wait_for(closed.wait(), 3)  # the prefill's connection was closed
+            await until(lambda: idle(gw), "leases returned")
+            await until(lambda: bool(prefill.aborts and decode.aborts), "both aborted")
+    finally:
+        end.set()
