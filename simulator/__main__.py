@@ -16,21 +16,29 @@ from simulator.config import SimConfig
 from simulator.faults import Faults
 from simulator.fleet import SimulatedFleet
 from simulator.model.disagg import TRANSFER_BACKENDS
+from simulator.model.hicache import IO_BACKENDS, WRITE_POLICIES
 from simulator.model.profiles import DEFAULT_PROFILE, PROFILES
-from simulator.model.transfer import DEFAULT_TRANSFER_PROFILE, TRANSFER_PROFILES
+from simulator.model.transfer import (
+    DEFAULT_HOST_LINK,
+    DEFAULT_TRANSFER_PROFILE,
+    HOST_LINK_PROFILES,
+    TRANSFER_PROFILES,
+)
+
+
+def _listing(items: Sequence[tuple[str, str]]) -> str:
+    """``name  description`` lines for the epilog, descriptions wrapped at column 19."""
+    pad = " " * 19
+    return "\n".join(
+        f"  {name:16} " + textwrap.fill(text, 79, initial_indent=pad, subsequent_indent=pad)[19:]
+        for name, text in items
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    profiles = "\n".join(
-        f"  {p.name:16} "
-        + textwrap.fill(p.description, 79, initial_indent=" " * 19, subsequent_indent=" " * 19)[19:]
-        for p in PROFILES.values()
-    )
-    transfers = "\n".join(
-        f"  {t.name:16} "
-        + textwrap.fill(t.description, 79, initial_indent=" " * 19, subsequent_indent=" " * 19)[19:]
-        for t in TRANSFER_PROFILES.values()
-    )
+    profiles = _listing([(p.name, p.description) for p in PROFILES.values()])
+    transfers = _listing([(t.name, t.description) for t in TRANSFER_PROFILES.values()])
+    host_links = _listing([(t.name, t.description) for t in HOST_LINK_PROFILES.values()])
     parser = argparse.ArgumentParser(
         prog="sglang-sim",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -56,7 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
             "bootstrap_host/bootstrap_port/bootstrap_room, to a prefill and a decode worker;\n"
             "the prefill prefills with its radix cache, holds the KV while it moves (the\n"
             "--transfer-profile link) and answers with one token; the decode waits for the\n"
-            "room's KV at the prefill's bootstrap port, then decodes and streams."
+            "room's KV at the prefill's bootstrap port, then decodes and streams.\n\n"
+            "--enable-hierarchical-cache adds SGLang's HiCache host tier under each radix\n"
+            "cache: what the GPU evicts moves to host memory (when it was copied there:\n"
+            "--hicache-write-policy), up to --hicache-ratio x the device pool or\n"
+            "--hicache-size GB, LRU; a request's host hit is loaded back over the\n"
+            "--hicache-link instead of prefilled, reported in meta_info.cached_tokens_details\n"
+            "and KV events with medium CPU_PINNED."
         ),
         epilog=(
             f"profiles:\n{profiles}\n\n"
@@ -65,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
             '"fail_health", "transfer_fail_rate", "bootstrap_fail"}; GET /_sim/stats for\n'
             "counters.\n\n"
             f"transfer profiles (--transfer-profile):\n{transfers}\n\n"
+            f"GPU <-> host links (--hicache-link):\n{host_links}\n\n"
             "example:\n  python -m simulator --workers 2 --base-port 31000 "
             "--capacity-tokens 200000 \\\n      --enable-metrics --enable-cache-report"
         ),
@@ -221,6 +236,43 @@ def build_parser() -> argparse.ArgumentParser:
             default=float(os.environ.get(variable, 300)),
             help=f"modelled seconds {what} (default: ${variable}, else 300)",
         )
+    hi = parser.add_argument_group("HiCache host tier (SGLang's flags; simulator.model.hicache)")
+    hi.add_argument(
+        "--enable-hierarchical-cache",
+        "--enable-hicache",
+        action="store_true",
+        help="keep a host-memory tier under the radix cache",
+    )
+    hi.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=None,
+        help="host pool as a multiple of the device pool (default 2.0, SGLang's)",
+    )
+    hi.add_argument(
+        "--hicache-size",
+        type=int,
+        default=0,
+        help="host pool in GB per worker (rank), overriding the ratio (default 0: unset)",
+    )
+    hi.add_argument(
+        "--hicache-write-policy",
+        default="write_through",
+        choices=list(WRITE_POLICIES),
+        help="when KV is copied to the host (default write_through)",
+    )
+    hi.add_argument(
+        "--hicache-io-backend",
+        default="kernel",
+        choices=list(IO_BACKENDS),
+        help="kernel (default) or direct: plain page copies, a third of the speed",
+    )
+    hi.add_argument(
+        "--hicache-link",
+        default=DEFAULT_HOST_LINK,
+        choices=sorted(HOST_LINK_PROFILES),
+        help=f"the simulated GPU <-> host link (default {DEFAULT_HOST_LINK}; see below)",
+    )
     faults = parser.add_argument_group("faults (for tests)")
     faults.add_argument("--error-rate", type=float, default=0.0, help="fraction answered 5xx")
     faults.add_argument("--error-status", type=int, default=500, help="status of those errors")
@@ -277,6 +329,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         transfer_profile=args.transfer_profile,
         bootstrap_timeout_s=args.bootstrap_timeout_s,
         waiting_timeout_s=args.waiting_timeout_s,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size=args.hicache_size,
+        hicache_write_policy=args.hicache_write_policy,
+        hicache_io_backend=args.hicache_io_backend,
+        hicache_link=args.hicache_link,
         faults=Faults(
             error_rate=args.error_rate,
             error_status=args.error_status,
@@ -308,6 +366,9 @@ async def serve(config: SimConfig, workers: int, host: str, base_port: int) -> N
         kind = f"SGLang, {capacity} KV tokens"
         if config.dp_size > 1:
             kind = f"SGLang, {config.dp_size} DP ranks of {capacity} KV tokens"
+        hicache = config.resolved_hicache()
+        if hicache is not None:
+            kind += f" + {hicache.host_tokens} host tokens ({hicache.write_policy})"
     print(
         f"sglang-sim: {workers} worker(s) ({kind} each), profile {profile.name}, "
         f"speed x{config.speed}; Ctrl-C to stop",

@@ -8,9 +8,10 @@ import orjson
 
 from simulator.faults import Faults
 from simulator.model.disagg import check_disaggregation
+from simulator.model.hicache import HiCacheSettings, check_hicache, host_pool_tokens
 from simulator.model.lora import parse_lora_spec
 from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
-from simulator.model.transfer import DEFAULT_TRANSFER_PROFILE
+from simulator.model.transfer import DEFAULT_HOST_LINK, DEFAULT_TRANSFER_PROFILE, get_host_link
 
 SGLANG_VERSION = "0.5.23"
 ENGINES = ("sglang", "llamacpp")
@@ -81,9 +82,39 @@ class SimConfig:
     transfer_profile: str = DEFAULT_TRANSFER_PROFILE
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0
+    # HiCache (simulator.model.hicache): SGLang's --enable-hierarchical-cache,
+    # --hicache-ratio (None: SGLang's default 2.0), --hicache-size (GB, overrides the
+    # ratio), --hicache-write-policy, --hicache-io-backend; the simulator's GPU <-> host
+    # link (simulator.model.transfer.HOST_LINK_PROFILES)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float | None = None
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    hicache_io_backend: str = "kernel"
+    hicache_link: str = DEFAULT_HOST_LINK
 
     def resolved_profile(self) -> Profile:
         return get_profile(self.profile)
+
+    def resolved_hicache(self) -> HiCacheSettings | None:
+        """The host tier of one worker (one DP rank), or None without HiCache."""
+        if not self.enable_hierarchical_cache:
+            return None
+        profile = self.resolved_profile()
+        capacity = self.capacity_tokens or profile.capacity_tokens
+        capacity -= capacity % self.page_size
+        ratio = 2.0 if self.hicache_ratio is None else self.hicache_ratio
+        return HiCacheSettings(
+            host_tokens=host_pool_tokens(
+                capacity, self.page_size, ratio, self.hicache_size, profile.kv_bytes_per_token
+            ),
+            write_policy=self.hicache_write_policy,
+            link=get_host_link(self.hicache_link),
+            kv_bytes_per_token=profile.kv_bytes_per_token,
+            io_backend=self.hicache_io_backend,
+            ratio=ratio,
+            size_gb=self.hicache_size,
+        )
 
     @property
     def model_name(self) -> str:
@@ -120,6 +151,8 @@ class SimConfig:
         if self.chat_template is not None and self.tokenizer_path is None:
             raise ValueError("chat_template needs tokenizer_path")
         self._validate_lora()
+        if self.enable_hierarchical_cache:
+            self._validate_hicache()
         check_disaggregation(
             self.disaggregation_mode,
             self.disaggregation_transfer_backend,
@@ -149,6 +182,22 @@ class SimConfig:
                     "The number of LoRA paths should not exceed max_loaded_loras. "
                     f"max_loaded_loras={self.max_loaded_loras}, lora_paths={len(self.lora_paths)}"
                 )
+
+    def _validate_hicache(self) -> None:
+        check_hicache(
+            self.hicache_write_policy,
+            self.hicache_io_backend,
+            self.hicache_ratio,
+            self.hicache_size,
+        )
+        get_host_link(self.hicache_link)
+        if self.engine != "sglang":
+            raise ValueError("enable_hierarchical_cache is SGLang's; llama.cpp has no host tier")
+        if self.disaggregation_mode == "decode":
+            raise ValueError(
+                "enable_hierarchical_cache is not simulated on a decode server (it keeps no "
+                "radix cache here)"
+            )
 
     def _validate_llamacpp(self) -> None:
         if self.slots < 1:

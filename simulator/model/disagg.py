@@ -327,6 +327,7 @@ class PrefillWorkerModel(_PDModel):
             self.counters.finished += 1
             self.counters.prompt_tokens += r.prompt_len
             self.counters.cached_tokens += r.cached_tokens or 0
+            self.counters.cached_host_tokens += r.cached_host
             if self.on_transfer_done is not None:
                 self.on_transfer_done(rid, handoff, None)
 

@@ -152,6 +152,8 @@ class CacheListener(Protocol):
 class RadixCache:
     """The radix tree plus the KV pool accounting of one worker (see module docstring)."""
 
+    node_class: type[TreeNode] = TreeNode  # a tiered cache's nodes carry more
+
     def __init__(
         self,
         capacity: int,
@@ -215,7 +217,7 @@ class RadixCache:
     def _root(self, namespace: str) -> TreeNode:
         root = self._roots.get(namespace)
         if root is None:
-            root = TreeNode(b"", None, namespace)
+            root = self.node_class(b"", None, namespace)
             root.lock_ref = 1  # roots are never evictable
             self._roots[namespace] = root
         return root
@@ -295,9 +297,17 @@ class RadixCache:
         return self.insert_path(key, namespace, allocated=allocated)[0]
 
     def insert_path(
-        self, key: bytes, namespace: str = "", *, allocated: bool = False
+        self,
+        key: bytes,
+        namespace: str = "",
+        *,
+        allocated: bool = False,
+        inserted_len: int = 0,
     ) -> tuple[int, TreeNode]:
         """Insert ``key`` (page-aligned down): ``(tokens already cached, node ending the key)``.
+
+        ``inserted_len``: tokens of ``key`` the caller inserted before (SGLang's
+        ``cache_inserted_len``); this cache ignores it, a tiered one counts hits past it.
 
         ``allocated=True``: the caller already holds the new tokens' slots privately (it
         computed their KV); they move from ``private`` to the tree. The caller must
@@ -320,7 +330,7 @@ class RadixCache:
         n, pb = len(key), self._page_bytes
         existing = pos // TOKEN_BYTES
         if pos < n:
-            new = TreeNode(key[pos:], node, namespace)
+            new = self.node_class(key[pos:], node, namespace)
             new.last_access = self._clock
             node.children[key[pos : pos + pb]] = new
             self._num_nodes += 1
@@ -338,7 +348,7 @@ class RadixCache:
         """Cut ``child``'s edge after ``at`` bytes; return the new upper node."""
         parent = child.parent
         assert parent is not None
-        upper = TreeNode(child.key[:at], parent, child.namespace)
+        upper = self.node_class(child.key[:at], parent, child.namespace)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         parent.children[child.key[: self._page_bytes]] = upper

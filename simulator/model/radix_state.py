@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from simulator.model.hicache import HiCacheSettings
+from simulator.model.hiradix_cache import HiRadixCache
 from simulator.model.profiles import DEFAULT_PROFILE, Profile, get_profile
 from simulator.model.radix_cache import (
     TOKEN_BYTES,
@@ -54,6 +56,8 @@ class ModelStats:
     decode_sum_seq_lens: int
     num_retracted_reqs: int  # retracted requests waiting to be re-admitted
     new_token_ratio: float
+    host_used_tokens: int = 0  # HiCache's host tier (0 without)
+    host_total_tokens: int = 0
 
 
 class ReqState:
@@ -63,10 +67,12 @@ class ReqState:
         "adapter",
         "admitted_at",
         "arrival",
+        "cached_host",
         "cached_tokens",
         "computed",
         "eos",
         "first_token_at",
+        "inserted",
         "key",
         "max_new",
         "namespace",
@@ -109,7 +115,9 @@ class ReqState:
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.cached_tokens: int | None = None
+        self.cached_host = 0  # of cached_tokens, loaded from the host tier (HiCache)
         self.node: TreeNode | None = None  # locked tree path
+        self.inserted = 0  # tokens of key this request inserted (SGLang's cache_inserted_len)
         self.tree_len = 0  # tokens of key held in the tree (the locked path)
         self.computed = 0  # tokens of key with KV (tree + private)
         self.private = 0  # KV slots held outside the tree
@@ -144,6 +152,11 @@ class Counters:
     steps: int = 0
     decode_steps: int = 0
     requests_submitted: int = 0
+    # HiCache: cached tokens of finished requests loaded from the host tier; per prefill
+    # step, hits by tier and computed tokens (sglang:prefill_effective_tokens_total)
+    cached_host_tokens: int = 0
+    prefill_device_hit_tokens: int = 0
+    prefill_host_hit_tokens: int = 0
 
 
 @dataclass
@@ -169,6 +182,9 @@ class RadixState:
     # SGLang's --max-loras-per-batch (None: LoRA off): distinct adapters in one running
     # batch, the base model (no adapter) counting as one
     max_loras_per_batch: int | None = None
+    # SGLang's --enable-hierarchical-cache, resolved (None: off): a host tier under the
+    # radix cache (simulator.model.hiradix_cache)
+    hicache: HiCacheSettings | None = None
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -178,7 +194,13 @@ class RadixState:
         capacity = self.capacity_tokens or self.profile.capacity_tokens
         capacity -= capacity % self.page_size
         self.capacity_tokens = capacity
-        self.cache = RadixCache(capacity, self.page_size, self.listener)
+        self.tiered: HiRadixCache | None = None
+        if self.hicache is None:
+            self.cache = RadixCache(capacity, self.page_size, self.listener)
+        else:
+            self.tiered = HiRadixCache(capacity, self.page_size, self.listener, self.hicache)
+            self.cache = self.tiered
+        self._step_load_tokens = 0  # host tokens loaded for this step's admissions
         if self.max_running_requests is None:
             by_context = capacity / self.profile.context_length * 512
             self.max_running_requests = int(min(max(by_context, 2048), 4096, max(capacity // 2, 1)))
@@ -326,6 +348,7 @@ class RadixState:
             completion_tokens=r.out_len,
             prompt_tokens=r.prompt_len,
             cached_tokens=r.cached_tokens or 0,
+            cached_host=r.cached_host,
             first_token=first,
             finish=finish,
             arrival=r.arrival,
@@ -341,8 +364,12 @@ class RadixState:
             return
         cache = self.cache
         existing, node = cache.insert_path(
-            r.committed_key()[: aligned * TOKEN_BYTES], r.namespace, allocated=True
+            r.committed_key()[: aligned * TOKEN_BYTES],
+            r.namespace,
+            allocated=True,
+            inserted_len=r.inserted,
         )
+        r.inserted = aligned
         cache.free(existing - r.tree_len)  # our copies of tokens someone else inserted first
         r.private -= aligned - r.tree_len
         cache.inc_lock(node)
@@ -363,6 +390,7 @@ class RadixState:
             r.node = None
         r.tree_len = 0
         r.computed = 0
+        r.inserted = 0
 
     # ------------------------------------------------------------------ stats
     @property
@@ -439,6 +467,8 @@ class RadixState:
             decode_sum_seq_lens=active,
             num_retracted_reqs=self._waiting_retracted,
             new_token_ratio=self._new_token_ratio,
+            host_used_tokens=self.tiered.host_used if self.tiered is not None else 0,
+            host_total_tokens=self.tiered.host_capacity if self.tiered is not None else 0,
         )
 
     def _refresh_snapshots(self, now: float, *, metrics: bool, load: bool) -> None:

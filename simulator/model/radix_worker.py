@@ -94,6 +94,7 @@ class WorkerModel(RadixState):
             seed=config.seed,
             listener=listener,
             max_loras_per_batch=config.max_loras_per_batch if config.lora_enabled else None,
+            hicache=config.resolved_hicache(),
             **extra,
         )
 
@@ -128,6 +129,7 @@ class WorkerModel(RadixState):
         budget_input = profile.max_prefill_tokens
         page = self.page_size
         cache = self.cache
+        tiered = self.tiered
         assert self.max_running_requests is not None
         batch: list[tuple[ReqState, int, int]] = []
         reserved = sum(min(max(r.max_new - r.out_len, 0), clip) for r in self._running)
@@ -174,14 +176,25 @@ class WorkerModel(RadixState):
                 loras.add(r.adapter)
             limit = r.seq_len - 1
             limit -= limit % page
-            matched, node = cache.match_prefix(r.key[: limit * TOKEN_BYTES], r.namespace)
-            extend = r.seq_len - matched
+            key = r.key[: limit * TOKEN_BYTES]
+            matched, node = cache.match_prefix(key, r.namespace)
+            host = 0 if tiered is None else tiered.host_hit(node, key, matched)
+            extend = r.seq_len - matched - host
             decode_room = min(max(r.max_new - r.out_len, 0), clip)
             cache.inc_lock(node)
             room = cache.available + cache.evictable - reserved
-            if extend + decode_room >= room or (batch and extend >= budget_input):
+            # a host hit needs device slots too: the room is the same, the compute less
+            if extend + host + decode_room >= room or (batch and extend >= budget_input):
                 cache.dec_lock(node)
                 break
+            if host:
+                assert tiered is not None
+                end = tiered.load_back(node, key, matched, host)
+                cache.inc_lock(end)
+                cache.dec_lock(node)
+                node = end
+                matched += host
+                self._step_load_tokens += host
             self._dequeued(self._waiting.popleft())
             r.state = "prefill"
             r.node = node
@@ -189,6 +202,9 @@ class WorkerModel(RadixState):
             r.computed = matched
             if r.cached_tokens is None:
                 r.cached_tokens = matched
+                r.cached_host = host
+                self.counters.prefill_device_hit_tokens += matched - host
+                self.counters.prefill_host_hit_tokens += host
             r.admitted_at = now
             n = extend
             if n > budget_chunk:
@@ -246,6 +262,8 @@ class WorkerModel(RadixState):
                 + cached_cost
             )
             kind = "prefill"
+        if self.tiered is not None:
+            duration = self._with_tier_transfers(duration)
         end = now + duration
 
         for r, n, _ in batch:
@@ -263,6 +281,7 @@ class WorkerModel(RadixState):
                 r.state = "running"
                 self._running.append(r)
         if decode_reqs:
+            self.cache.alloc(len(decode_reqs))
             self._decode_tokens(decode_reqs, end, outputs)
 
         self._last_hit_rate = hit / (hit + new_total) if hit + new_total else 0.0
@@ -274,12 +293,15 @@ class WorkerModel(RadixState):
     def _run_decode(self, now: float, outputs: list[RequestOutput]) -> StepResult:
         profile = self.profile
         reqs = self._make_decode_room()
+        self.cache.alloc(len(reqs))
         sum_ctx = sum(r.computed + 1 for r in reqs)
         duration = (
             max(profile.decode_floor_s, profile.decode_per_request_s * len(reqs))
             + profile.decode_per_context_token_s * sum_ctx
             + profile.decode_overhead_s
         )
+        if self.tiered is not None:
+            duration += self.tiered.take_stall_s()
         end = now + duration
         self._decode_tokens(reqs, end, outputs)
         self._new_token_ratio = max(
@@ -294,6 +316,17 @@ class WorkerModel(RadixState):
             load=self._decode_since_load >= LOAD_SNAPSHOT_INTERVAL,
         )
         return StepResult(now, duration, "decode", outputs, 0, len(reqs))
+
+    def _with_tier_transfers(self, compute_s: float) -> float:
+        """A prefill step's duration with HiCache's transfers: the step's host loads (one
+        merged copy) overlap its compute layer by layer, as SGLang's per-layer load events
+        let it (the step takes the longer of the two), and write-back copies made while
+        evicting for it stall the scheduler before it starts (added)."""
+        tiered = self.tiered
+        assert tiered is not None
+        load_s = tiered.record_load(self._step_load_tokens)
+        self._step_load_tokens = 0
+        return max(compute_s, load_s) + tiered.take_stall_s()
 
     def _make_decode_room(self) -> list[ReqState]:
         """Ensure one KV slot per running request, retracting requests if it cannot be had."""
@@ -327,7 +360,7 @@ class WorkerModel(RadixState):
     def _decode_tokens(
         self, reqs: list[ReqState], end: float, outputs: list[RequestOutput]
     ) -> None:
-        self.cache.alloc(len(reqs))
+        """One token each for ``reqs``, whose KV slots the caller allocated."""
         done = 0
         for r in reqs:
             r.private += 1
@@ -364,3 +397,4 @@ class WorkerModel(RadixState):
         self.counters.finished += 1
         self.counters.prompt_tokens += r.prompt_len
         self.counters.cached_tokens += r.cached_tokens or 0
+        self.counters.cached_host_tokens += r.cached_host

@@ -63,6 +63,7 @@ class RequestOutput:
     arrival: float
     time: float  # modelled time at which this output is visible
     output_ids: Sequence[int] = ()  # the full planned output; the first completion_tokens are real
+    cached_host: int = 0  # of cached_tokens, loaded from the host tier (HiCache)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from simulator.model.hicache import HiCacheSettings
 from simulator.model.profiles import Profile
 
 
@@ -36,3 +37,4 @@ class WorkerSettings(Protocol):
     @property
     def max_loras_per_batch(self) -> int: ...
     def resolved_profile(self) -> Profile: ...
+    def resolved_hicache(self) -> HiCacheSettings | None: ...  # None: no host tier

@@ -1,5 +1,6 @@
-"""KV transfer between a prefill and a decode server: named link profiles and the time a
-request's KV takes to move (prefill/decode disaggregation, docs/PD.md).
+"""KV transfer over a named link: between a prefill and a decode server (prefill/decode
+disaggregation, docs/PD.md), and between a GPU and its host's memory (the HiCache host
+tier, :mod:`simulator.model.hicache`; the host links are listed at the end).
 
 A request's transfer moves every prompt token's KV, the cached ones and the uncached ones
 (a decode server has no radix cache by default, so it holds none of the prompt):
@@ -116,6 +117,75 @@ DEFAULT_TRANSFER_PROFILE = "rdma-400g"
 
 def get_transfer_profile(name: str) -> TransferProfile:
     return named(TRANSFER_PROFILES, name, "transfer profile")
+
+
+# ---------------------------------------------------------------------- GPU <-> host links
+# The link a HiCache load (host -> GPU) or backup (GPU -> host) crosses: one GPU's PCIe
+# slot, the same formula (fixed latency + bytes / effective bandwidth), one direction's
+# bandwidth (PCIe is full duplex: loads and backups do not share it).
+#
+# * ``pcie-gen5-x16`` (default; an H100 or H200 in its host): 32 GT/s x 16 lanes with
+#   128b/130b encoding = 63.0 GB/s each way (the PCI-SIG's PCIe 5.0 rate; NVIDIA's H100
+#   datasheet gives "PCIe Gen5: 128 GB/s", both directions together). ``efficiency``
+#   0.85: pinned host-to-device copies reach about that share, e.g. nvbandwidth's
+#   host_to_device_memcpy_ce at 55.6 GB/s on a Gen5 host (NVIDIA's nvbandwidth tutorial
+#   output); SGLang's HiCache design doc says its GPU-assisted I/O kernels
+#   (``--hicache-io-backend kernel``, the default) reach "up to 3x" the speed of plain
+#   ``cudaMemcpyAsync`` page copies (``direct``), so this figure is the kernel's and
+#   ``direct`` gets a third of it (:data:`DIRECT_IO_SLOWDOWN`).
+# * ``pcie-gen4-x16`` (an A100 or L40S): 16 GT/s x 16 = 31.5 GB/s each way (NVIDIA's
+#   A100 datasheet: "PCIe Gen4: 64 GB/s" both ways); 0.85 assumed as for Gen5.
+# * ``nvlink-c2c`` (a GH200's Hopper reading the Grace CPU's memory): NVLink-C2C's
+#   900 GB/s both ways, 450 GB/s each (NVIDIA's GH200 datasheet); 0.8 assumed.
+# * ``instant``: no transfer time (what-if runs, tests).
+#
+# ``fixed_latency_s`` 0.2 ms per merged load or backup (the kernel launches and the
+# layer-by-layer completion events of one batch's copy) is assumed, not measured: SGLang's
+# ``sglang:load_back_duration_seconds`` and ``sglang:hicache_backup_duration_seconds`` on a
+# real server are where to calibrate it and the efficiency.
+DIRECT_IO_SLOWDOWN = 3.0
+
+HOST_LINK_PROFILES: dict[str, TransferProfile] = {
+    p.name: p
+    for p in (
+        TransferProfile(
+            "pcie-gen5-x16",
+            "PCIe 5.0 x16, 63 GB/s each way, 85 % (assumed, near nvbandwidth's pinned "
+            "copies): ~53.6 GB/s, 0.2 ms per load or backup",
+            link_gb_s=63.0,
+            efficiency=0.85,
+            fixed_latency_s=0.2e-3,
+        ),
+        TransferProfile(
+            "pcie-gen4-x16",
+            "PCIe 4.0 x16, 31.5 GB/s each way, 85 % (assumed): ~26.8 GB/s, 0.2 ms per "
+            "load or backup",
+            link_gb_s=31.5,
+            efficiency=0.85,
+            fixed_latency_s=0.2e-3,
+        ),
+        TransferProfile(
+            "nvlink-c2c",
+            "a GH200's NVLink-C2C to the Grace CPU's memory, 450 GB/s each way, 80 % "
+            "(assumed), 0.2 ms per load or backup",
+            link_gb_s=450.0,
+            efficiency=0.8,
+            fixed_latency_s=0.2e-3,
+        ),
+        TransferProfile(
+            "instant",
+            "no transfer time (what-if runs, tests)",
+            link_gb_s=0.0,
+            efficiency=1.0,
+            fixed_latency_s=0.0,
+        ),
+    )
+}
+DEFAULT_HOST_LINK = "pcie-gen5-x16"
+
+
+def get_host_link(name: str) -> TransferProfile:
+    return named(HOST_LINK_PROFILES, name, "host link profile")
 
 
 class TransferLink:
