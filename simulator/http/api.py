@@ -339,6 +339,7 @@ def generate_output(
     sent_ts: float | None,
     timing: GenerateTiming | None = None,
     dp_rank: int | None = None,
+    cached_details: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """``/generate``'s body (or one streamed chunk) in 0.5.23's key order.
 
@@ -347,6 +348,7 @@ def generate_output(
     ``--enable-metrics`` (``timing`` given) the scheduler's stamps come first and the
     request's timings at finish. ``response_sent_to_client_ts`` is on every chunk.
     ``dp_rank`` is the rank that served the request with ``--dp-size`` (null without).
+    ``cached_details``: ``{"device": N, "host": M}`` with HiCache (:func:`cached_details`).
     """
     meta: dict[str, Any] = {
         "id": rid,
@@ -366,7 +368,7 @@ def generate_output(
     meta["cached_tokens"] = cached_tokens
     if e2e_latency is not None:
         meta["weight_versions"] = weight_versions(completion_tokens)
-    meta["cached_tokens_details"] = None
+    meta["cached_tokens_details"] = cached_details
     meta["dp_rank"] = dp_rank
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
@@ -380,6 +382,15 @@ def generate_output(
         decode_s = e2e_latency - timing.ttft_s
         meta["decode_throughput"] = completion_tokens / decode_s if decode_s > 0 else 0.0
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+def cached_details(cached_tokens: int, cached_host: int) -> dict[str, int] | None:
+    """SGLang's ``cached_tokens_details`` (``get_cached_tokens_details``): null without a
+    hit, else the hit split by tier, ``{"device": N, "host": M}`` (no ``storage`` key: the
+    simulator has no L3 backend). Reported when HiCache is on."""
+    if cached_tokens <= 0:
+        return None
+    return {"device": cached_tokens - cached_host, "host": cached_host}
 
 
 @dataclass(frozen=True, slots=True)

@@ -283,6 +283,7 @@ class HttpWorker:
                 out.cached_tokens,
                 out.time - out.arrival,
                 out.time - first,
+                out.cached_host,
             )
 
     def _text(self, handle: RequestHandle, start: int, end: int) -> str:

@@ -9,6 +9,9 @@ What a subscriber sees is what SGLang 0.5.23 publishes:
 * ``BlockStored`` when a radix node is created (after each prefill chunk and at finish),
   ``BlockRemoved`` for each evicted node (all its page hashes), ``AllBlocksCleared`` at
   start (queued until the first publish) and on ``/flush_cache``; splits emit nothing;
+* ``medium`` ``"GPU"``, or ``"CPU_PINNED"`` (SGLang's ``StorageMedium.CPU``) for the
+  HiCache host tier's copies: stored when a node's KV is copied to the host, removed when
+  the host copy is freed (:mod:`simulator.model.hiradix_cache` says when);
 * block hashes: SHA-256 chained per page (§4.4): ``d_0 = SHA256(LE_u32 tokens)``,
   ``d_i = SHA256(d_{i-1} || LE_u32 tokens)``, published as the first 8 bytes, big-endian
   signed. ``cache_salt`` seeds the chain with ``SHA256("sglang-cache-salt-v1\\0" + salt)``.
@@ -129,6 +132,10 @@ def namespaced_hash(block_hash: int, seed: bytes) -> int:
 
 
 # ---------------------------------------------------------------------- events
+GPU = "GPU"  # SGLang's StorageMedium.GPU (L1)
+CPU_PINNED = "CPU_PINNED"  # StorageMedium.CPU (L2, HiCache's host tier)
+
+
 @dataclass(slots=True)
 class BlockStored:
     block_hashes: list[int]
@@ -137,11 +144,13 @@ class BlockStored:
     block_size: int
     cache_salt: str | None = None
     lora_name: str | None = None
+    medium: str = GPU
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[int]
+    medium: str = GPU
 
 
 @dataclass(slots=True)
@@ -157,7 +166,7 @@ def encode_event(event: Event, legacy_array: bool = False) -> Any:
     if isinstance(event, BlockStored):
         if legacy_array:
             arr: list[Any] = ["BlockStored", event.block_hashes, event.parent_block_hash]
-            arr += [event.token_ids, event.block_size, None, "GPU"]
+            arr += [event.token_ids, event.block_size, None, event.medium]
             if event.cache_salt is not None:
                 arr.append({"cache_salt": event.cache_salt})
             return arr
@@ -168,7 +177,7 @@ def encode_event(event: Event, legacy_array: bool = False) -> Any:
             "token_ids": event.token_ids,
             "block_size": event.block_size,
             "lora_id": None,
-            "medium": "GPU",
+            "medium": event.medium,
         }
         if event.cache_salt is not None:
             out["cache_salt"] = event.cache_salt
@@ -177,8 +186,8 @@ def encode_event(event: Event, legacy_array: bool = False) -> Any:
         return out
     if isinstance(event, BlockRemoved):
         if legacy_array:
-            return ["BlockRemoved", event.block_hashes, "GPU"]
-        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": "GPU"}
+            return ["BlockRemoved", event.block_hashes, event.medium]
+        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
     return ["AllBlocksCleared"] if legacy_array else {"type": "AllBlocksCleared"}
 
 
@@ -216,6 +225,7 @@ class EventRecorder:
             and isinstance(last, BlockStored)
             and (
                 event.parent_block_hash == last.block_hashes[-1]
+                and event.medium == last.medium
                 and event.block_size == last.block_size
                 and event.cache_salt == last.cache_salt
                 and event.lora_name == last.lora_name
@@ -224,7 +234,11 @@ class EventRecorder:
             last.block_hashes.extend(event.block_hashes)
             last.token_ids.extend(event.token_ids)
             return
-        if isinstance(event, BlockRemoved) and isinstance(last, BlockRemoved):
+        if (
+            isinstance(event, BlockRemoved)
+            and isinstance(last, BlockRemoved)
+            and event.medium == last.medium
+        ):
             last.block_hashes.extend(event.block_hashes)
             return
         events.append(event)
@@ -248,28 +262,38 @@ class EventRecorder:
 
     # CacheListener ----------------------------------------------------------
     def on_stored(self, node: TreeNode) -> None:
-        parent = node.parent
-        lora, _, salt = self._split_namespace(node.namespace)
-        prev: bytes | None
-        if parent is None or parent.parent is None:  # hangs off a namespace root
-            prev = salt_seed(salt) if salt else None
-            parent_hash = None
-        else:
-            prev = parent.meta[-1]
-            parent_hash = self._published([prev], node.namespace)[0]
         tokens = node.token_ids()
         key = node.key if sys.byteorder == "little" else tokens  # radix keys are native u32
-        digests = page_digests(key, self.page_size, prev)
-        node.meta = digests
-        event = BlockStored(
-            self._published(digests, node.namespace),
+        node.meta = page_digests(key, self.page_size, self._chain_seed(node))
+        self._queue(self._stored(node, tokens, GPU))
+
+    def on_host_stored(self, node: TreeNode) -> None:
+        """``node``'s KV was copied to the host tier (its digests are known already)."""
+        self._queue(self._stored(node, node.token_ids(), CPU_PINNED))
+
+    def _chain_seed(self, node: TreeNode) -> bytes | None:
+        parent = node.parent
+        if parent is None or parent.parent is None:  # hangs off a namespace root
+            _, _, salt = self._split_namespace(node.namespace)
+            return salt_seed(salt) if salt else None
+        digest: bytes = parent.meta[-1]
+        return digest
+
+    def _stored(self, node: TreeNode, tokens: list[int], medium: str) -> BlockStored:
+        parent = node.parent
+        lora, _, salt = self._split_namespace(node.namespace)
+        parent_hash = None
+        if parent is not None and parent.parent is not None:
+            parent_hash = self._published([parent.meta[-1]], node.namespace)[0]
+        return BlockStored(
+            self._published(node.meta, node.namespace),
             parent_hash,
             tokens,
             self.page_size,
             cache_salt=salt or None,
             lora_name=lora or None,
+            medium=medium,
         )
-        self._queue(event)
 
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         digests: list[bytes] = lower.meta
@@ -278,6 +302,10 @@ class EventRecorder:
 
     def on_removed(self, node: TreeNode) -> None:
         self._queue(BlockRemoved(self._published(node.meta, node.namespace)))
+
+    def on_host_removed(self, node: TreeNode) -> None:
+        """``node``'s host copy was freed."""
+        self._queue(BlockRemoved(self._published(node.meta, node.namespace), CPU_PINNED))
 
     def on_cleared(self) -> None:
         self._queue(AllBlocksCleared())

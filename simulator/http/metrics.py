@@ -11,6 +11,12 @@ labels), ``_count``, gauges without a multiprocess mode carrying a ``pid`` label
 * Tokenizer metrics (``{engine_type, model_name[, is_streaming]}``) are observed per request
   in modelled seconds, recorded at finish except time to first token. Like prometheus
   children, a labelled series appears once it was first touched.
+* With HiCache (:func:`render_hicache`): the scheduler's ``sglang:hicache_host_used_tokens``
+  and ``_total_tokens`` gauges and ``sglang:prefill_effective_tokens_total{mode}``, and the
+  radix cache collector's families (``{cache_type, dp_rank, pp_rank, tp_rank}``, dp_rank
+  "0" on every rank as SGLang labels them without DP attention, so ranks sum): evicted,
+  loaded-back, backed-up and dropped tokens, bytes, and the load and backup durations.
+  ``cached_tokens_total`` then splits ``device`` and ``host``.
 
 Written by hand because it is cheap: one scrape is a few dozen string joins.
 """
@@ -23,7 +29,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from simulator.model.radix_state import ModelStats
+from simulator.model.hiradix_cache import HiRadixCache
+from simulator.model.radix_state import Counters, ModelStats
 
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 E2E_BUCKETS = (*TTFT_BUCKETS, 600, 1200, 1800, 2400)
@@ -31,6 +38,12 @@ ITL_BUCKETS = (
     0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
     0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0,
 )  # fmt: skip
+# SGLang's RadixCacheMetricsCollector buckets (0.5.23)
+LOAD_BACK_BUCKETS = (
+    0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.02, 0.03, 0.04,
+    0.05, 0.1, 0.2, 0.5, 1.0,
+)  # fmt: skip
+BACKUP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -94,13 +107,16 @@ class RequestMetrics:
         cached_tokens: int,
         e2e_s: float,
         decode_s: float,
+        cached_host: int = 0,
     ) -> None:
         key = "true" if streaming else "false"
         self.prompt_tokens[key] = self.prompt_tokens.get(key, 0) + prompt_tokens
         self.generation_tokens[key] = self.generation_tokens.get(key, 0) + completion_tokens
         self.requests[key] = self.requests.get(key, 0) + 1
-        if cached_tokens > 0:
-            self.cached_tokens["device"] = self.cached_tokens.get("device", 0) + cached_tokens
+        # by source, each only when positive (SGLang's report_cache_source)
+        for source, value in (("device", cached_tokens - cached_host), ("host", cached_host)):
+            if value > 0:
+                self.cached_tokens[source] = self.cached_tokens.get(source, 0) + value
         hist = self.e2e.get(key)
         if hist is None:
             hist = self.e2e[key] = Histogram(E2E_BUCKETS)
@@ -112,6 +128,18 @@ class RequestMetrics:
 
     def observe_aborted(self) -> None:
         self.aborted = (self.aborted or 0) + 1
+
+
+@dataclass
+class TransferMetrics:
+    """HiCache's copy durations (modelled seconds), observed through each rank's
+    :attr:`HiRadixCache.on_transfer`."""
+
+    load: Histogram = field(default_factory=lambda: Histogram(LOAD_BACK_BUCKETS))
+    backup: Histogram = field(default_factory=lambda: Histogram(BACKUP_BUCKETS))
+
+    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+        (self.load if kind == "load" else self.backup).observe(seconds)
 
 
 def _escape(value: str) -> str:
@@ -194,10 +222,12 @@ def render(
     requests: RequestMetrics,
     page_size: int,
     context_length: int,
+    hicache: HiCacheView | None = None,
 ) -> bytes:
     """The whole exposition, ``text/plain; version=0.0.4``. ``snap``: the scheduler's
     snapshot, or one per DP rank (then each scheduler gauge has one series per rank,
-    labelled ``dp_rank`` as SGLang labels them with ``--dp-size``)."""
+    labelled ``dp_rank`` as SGLang labels them with ``--dp-size``). ``hicache``: the host
+    tiers' families too."""
     base = {"engine_type": "unified", "model_name": model_name}
     sched = {**base, "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": "0"}
     snaps = [snap] if isinstance(snap, ModelStats) else list(snap)
@@ -259,5 +289,104 @@ def render(
     _family(lines, name, "histogram", "Histogram of inter-token latency in seconds.")
     if requests.itl is not None:
         _histogram(lines, name, base, requests.itl)
+    if hicache is not None:
+        render_hicache(lines, [labels for labels, _ in values], snaps, hicache)
     lines.append("")
     return "\n".join(lines).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheView:
+    """What ``/metrics`` reads of the host tiers: each rank's cache and counters."""
+
+    caches: Sequence[HiRadixCache]
+    counters: Sequence[Counters]
+    transfers: TransferMetrics
+
+
+def render_hicache(
+    lines: list[str],
+    sched_labels: Sequence[dict[str, str]],
+    snaps: Sequence[ModelStats],
+    view: HiCacheView,
+) -> None:
+    """HiCache's families (see module docstring), appended to ``lines``."""
+    for key, attr, help_text in (
+        ("hicache_host_used_tokens", "host_used_tokens", "Tokens used in the host KV cache."),
+        ("hicache_host_total_tokens", "host_total_tokens", "Host KV cache capacity in tokens."),
+    ):
+        name = f"sglang:{key}"
+        _family(lines, name, "gauge", help_text)
+        for labels, snap in zip(sched_labels, snaps, strict=True):
+            lines.append(f"{name}{_labels(labels)} {floatToGoString(getattr(snap, attr))}")
+    name = "sglang:prefill_effective_tokens_total"
+    _family(lines, name, "counter", "Effective prefill tokens by mode (hits by tier, input).")
+    for labels, c in zip(sched_labels, view.counters, strict=True):
+        for mode, value in (
+            ("device_hit", c.prefill_device_hit_tokens),
+            ("host_hit", c.prefill_host_hit_tokens),
+            ("input", c.prefill_uncached_tokens),
+            ("storage_hit", 0),
+        ):
+            lines.append(f"{name}{_labels({**labels, 'mode': mode})} {floatToGoString(value)}")
+
+    cache = {"cache_type": "UnifiedRadixCache", "dp_rank": "0", "pp_rank": "0", "tp_rank": "0"}
+    kv = {**cache, "pool": "kv"}
+    hc = [c.counters for c in view.caches]
+    dropped: dict[str, int] = {}
+    for counters in hc:
+        for reason, value in counters.dropped_tokens.items():
+            dropped[reason] = dropped.get(reason, 0) + value
+    families: tuple[tuple[str, str, list[tuple[dict[str, str], int]]], ...] = (
+        (
+            "evicted_tokens_total",
+            "Device KV token slots freed by eviction, backed up to host or destroyed.",
+            [(cache, sum(c.evicted_total for c in view.caches))],
+        ),
+        (
+            "load_back_tokens_total",
+            "Tokens loaded back from host memory (L2) to the GPU.",
+            [(kv, sum(c.load_tokens for c in hc))],
+        ),
+        (
+            "load_back_bytes_total",
+            "Bytes loaded back from host memory (L2) to the GPU.",
+            [(cache, sum(c.load_bytes for c in hc))],
+        ),
+        (
+            "hicache_backup_tokens_total",
+            "Tokens backed up from the GPU to host memory (L2).",
+            [(kv, sum(c.backup_tokens for c in hc))],
+        ),
+        (
+            "hicache_backup_bytes_total",
+            "Bytes backed up from the GPU to host memory (L2).",
+            [(cache, sum(c.backup_bytes for c in hc))],
+        ),
+        (
+            "hicache_dropped_tokens_total",
+            "Device KV tokens destroyed without a host backup.",
+            [({**kv, "reason": reason}, value) for reason, value in sorted(dropped.items())],
+        ),
+    )
+    for key, help_text, samples in families:
+        name = f"sglang:{key}"
+        _family(lines, name, "counter", help_text)
+        for labels, value in samples:
+            lines.append(f"{name}{_labels(labels)} {floatToGoString(value)}")
+    for key, help_text, hist in (
+        (
+            "load_back_duration_seconds",
+            "Duration of a merged host-to-device load-back copy (modelled seconds).",
+            view.transfers.load,
+        ),
+        (
+            "hicache_backup_duration_seconds",
+            "Duration of a device-to-host backup copy (modelled seconds).",
+            view.transfers.backup,
+        ),
+    ):
+        name = f"sglang:{key}"
+        _family(lines, name, "histogram", help_text)
+        if hist.count:
+            _histogram(lines, name, cache, hist)

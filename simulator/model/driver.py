@@ -49,6 +49,7 @@ class RequestHandle:
         "_version",
         "_waiter",
         "arrival",
+        "cached_host",
         "cached_tokens",
         "completion_tokens",
         "dp_rank",
@@ -79,6 +80,7 @@ class RequestHandle:
         self.arrival = arrival
         self.received_ts = time.time()  # wall clock, for /generate's stamps
         self.cached_tokens = 0
+        self.cached_host = 0  # of cached_tokens, loaded from the host tier (HiCache)
         self.completion_tokens = 0
         self.dp_rank: int | None = None  # the serving DP rank, set by a server with ranks
         self.output_ids: list[int] | tuple[int, ...] = ()
@@ -93,6 +95,7 @@ class RequestHandle:
     def update(self, out: RequestOutput) -> None:
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.cached_host = out.cached_host
         self.output_ids = out.output_ids  # type: ignore[assignment]
         if out.first_token and self.first_token_time is None:
             self.first_token_time = out.time

@@ -101,4 +101,22 @@ class AdminRoutes(SGLangCore):
             "generation_tokens_total": counters.generation_tokens,
             "finished_total": counters.finished,
             "retractions_total": counters.retractions,
+            **AdminRoutes._tier_figures(engine),
+        }
+
+    @staticmethod
+    def _tier_figures(engine: WorkerModel) -> dict[str, int]:
+        """HiCache's host tier (nothing without it)."""
+        tiered = engine.tiered
+        if tiered is None:
+            return {}
+        hc = tiered.counters
+        return {
+            "host_used_tokens": tiered.host_used,
+            "host_capacity_tokens": tiered.host_capacity,
+            "cached_host_tokens_total": engine.counters.cached_host_tokens,
+            "hicache_load_tokens_total": hc.load_tokens,
+            "hicache_backup_tokens_total": hc.backup_tokens,
+            "hicache_host_evicted_tokens_total": hc.host_evicted_tokens,
+            "hicache_dropped_tokens_total": sum(hc.dropped_tokens.values()),
         }

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from simulator.config import KVEventsConfig, SimConfig
-from simulator.http import api
+from simulator.http import api, metrics
 from simulator.http.api import ApiError
 from simulator.http.base import HttpWorker
 from simulator.http.sglang.dp import DPRank, DPRanks, start_publishers
@@ -74,6 +74,11 @@ class SGLangCore(HttpWorker):
             engine = WorkerModel.from_config(config, listener=listener, tokenizer=self.tokenizer)
             ranks.append(DPRank(r, engine, kv_events))
         self.dp = DPRanks(ranks)
+        # HiCache: every rank's copies timed into one set of histograms (/metrics)
+        self.transfer_metrics = metrics.TransferMetrics()
+        for rank in ranks:
+            if rank.engine.tiered is not None:
+                rank.engine.tiered.on_transfer = self.transfer_metrics.observe
         self.engine = ranks[0].engine
         self.kv_events = ranks[0].kv_events
         self._rank_drivers: list[ModelDriver] = []  # ranks 1.. (rank 0's is self.driver)

@@ -116,6 +116,25 @@ class InfoRoutes(SGLangCore):
             "weight_version": api.WEIGHT_VERSION,
             "sim_profile": profile.name,
             "sim_speed": cfg.speed,
+            **self._hicache_args(),
+        }
+
+    def _hicache_args(self) -> dict[str, Any]:
+        """SGLang's HiCache arguments, when the host tier is on (the simulator's link as
+        ``sim_hicache_link``); nothing without it."""
+        hicache = self.engine.hicache
+        if hicache is None:
+            return {}
+        return {
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": hicache.ratio,
+            "hicache_size": hicache.size_gb,
+            "hicache_write_policy": hicache.write_policy,
+            "hicache_io_backend": hicache.io_backend,
+            "hicache_mem_layout": "page_first",
+            "hicache_host_memory_mode": "cache",
+            "hicache_storage_backend": None,
+            "sim_hicache_link": hicache.link.name,
         }
 
     async def _server_info(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -376,8 +395,17 @@ class InfoRoutes(SGLangCore):
             self.request_metrics,
             self.config.page_size,
             self.context_length,
+            self._hicache_view(),
         )
         return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    def _hicache_view(self) -> metrics.HiCacheView | None:
+        caches = [rank.engine.tiered for rank in self.dp.ranks]
+        tiers = [c for c in caches if c is not None]
+        if not tiers:
+            return None
+        counters = [rank.engine.counters for rank in self.dp.ranks]
+        return metrics.HiCacheView(tiers, counters, self.transfer_metrics)
 
 
 def _loads_prometheus(loads: list[dict[str, Any]]) -> str:

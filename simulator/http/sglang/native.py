@@ -128,6 +128,11 @@ class NativeRoutes(SGLangCore):
             sent_ts=time.time(),
             timing=self._timing(handle) if self.config.enable_metrics else None,
             dp_rank=handle.dp_rank,
+            cached_details=(
+                api.cached_details(handle.cached_tokens, handle.cached_host)
+                if self.config.enable_hierarchical_cache
+                else None
+            ),
         )
 
     @staticmethod
