@@ -1,0 +1,382 @@
+"""Cost of one routing decision at 8, 64 and 256 workers, with a realistically full index.
+
+Run: ``python -m loadtests.micro.decision [--fleets 8 64 256] [--requests 3000]
+[--profile min_ttft]``. Prints a Markdown table for BENCHMARKS.md ("Scale").
+
+What is timed, per request, is what ``gateway.routing.router.Router.handle`` does between
+a parsed request and sending it: ``RoutingCore.estimate``, ``WorkerRegistry.candidates``,
+``RoutingCore.choose`` (views with the index match, the policy's ``select``),
+``RoutingCore.dispatch`` (the recording in the index, the lease) and the decision record
+(``DecisionRecord.from_decision``, the router's extra fields, ``DecisionLog.add``). Wall
+time of each decision with ``time.perf_counter_ns``, the garbage collector on (as live);
+p50 / p99 / max over ``--requests`` decisions after ``--warmup`` untimed ones. Not timed:
+parsing and hashing the body (``loadtests.micro.index`` measures those), telemetry hooks,
+and the end of each request (``RoutingCore.feedback`` with the worker's report, the
+lease's release), which runs between two decisions.
+
+Index contents (per fleet size, built once and shared by the three policies' runs in
+turn, each run continuing from the state the previous left): every worker reports
+``--capacity-tokens`` of KV (420,000: one H100-80GB for an 8B model, the index's default
+26,250 blocks of 16 tokens) and holds conversations until its share of the index is full:
+conversation ``c`` goes to worker ``c mod W``; its prompt is one of ``--system-prompts``
+system prompts of 2,048 tokens (128 blocks) followed by a history of 1,000 to 16,000
+tokens (uniform); each worker's LRU ends at its capacity, so 256 workers hold 6.7 million
+blocks (each system prompt's blocks held by about every worker). Block hashes are
+synthetic chains (their values only key dicts; hashing is not what is measured).
+
+Requests: 70 % the next turn of a conversation held somewhere (its history plus 200 new
+tokens: every worker holding its system prompt matches 128 blocks, its holder more), 20 %
+a new conversation on one of the system prompts, 10 % a cold prompt of 1,000 to 4,000
+tokens. Each worker has engine load figures as a poll leaves them and a calibrated cost
+model; ``--in-flight`` requests per worker stay outstanding (the oldest is finished, with
+its feedback, before each new decision), so the leases, pins and load counts are those of
+a busy gateway.
+
+``--profile POLICY`` runs cProfile over that policy's decisions at the largest fleet and
+prints the top functions by internal time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import os
+import pstats
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.app import ttft_estimate
+from gateway.routing.cost_model import CostModel
+from gateway.routing.decide import Choice, RoutingCore
+from gateway.routing.decisions import DecisionLog, DecisionRecord
+from gateway.routing.lease import Lease
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.request import ApiKind, RouteRequest
+from gateway.routing.tokens import TokenAccounting
+from gateway.workers.registry import Worker, WorkerRegistry
+from policies.base import EngineLoad
+from policies.registry import create_policy
+
+BLOCK_CHARS = 64
+CHARS_PER_TOKEN = 4.0
+BLOCK_TOKENS = BLOCK_CHARS / CHARS_PER_TOKEN  # 16, the index's default
+SYSTEM_BLOCKS = 128  # 2,048 tokens
+TURN_BLOCKS = 13  # about 200 tokens of a new user message
+POLICIES = ("min_ttft", "cache_aware", "round_robin")
+
+
+@dataclass(slots=True)
+class Fleet:
+    """One fleet size's state: the registry, the index, the conversations it holds."""
+
+    registry: WorkerRegistry
+    workers: list[Worker]
+    index: PrefixIndex
+    costs: CostModel
+    tokens: TokenAccounting
+    conversations: list[list[int]]  # each one's block chain
+    blocks: int  # blocks in the index (sum over workers)
+
+
+def _chain(tag: tuple[int, ...], n: int) -> list[int]:
+    return [hash((*tag, i)) for i in range(n)]
+
+
+def build_fleet(workers: int, capacity_tokens: int, system_prompts: int, seed: int) -> Fleet:
+    rng = random.Random(seed)
+    clock = [0.0]
+    registry = WorkerRegistry(0.5, lambda: clock[0])
+    index = PrefixIndex(block_tokens=BLOCK_TOKENS, clock=lambda: clock[0])
+    costs = CostModel()
+    fleet: list[Worker] = []
+    for w in range(workers):
+        worker, _ = registry.add(f"http://10.0.{w // 250}.{w % 250 + 1}:30000", "sglang")
+        worker.flags.clear()  # probed healthy
+        worker.metadata.capacity_tokens = capacity_tokens
+        worker.engine_load = EngineLoad(rng.randrange(16), rng.randrange(4), None, 0.5)
+        index.set_capacity(worker.id, capacity_tokens)
+        for _ in range(20):  # calibrated: TTFTs observed
+            costs.observe(worker.id, rng.randrange(200, 4000), rng.randrange(5000), 0.05)
+        fleet.append(worker)
+    systems = [_chain((1, s), SYSTEM_BLOCKS) for s in range(system_prompts)]
+    conversations: list[list[int]] = []
+    full = [False] * workers
+    capacity = index.capacity_blocks(fleet[0].id)
+    c = 0
+    while not all(full):
+        w = c % workers
+        if not full[w]:
+            history = rng.randint(1_000, 16_000) // int(BLOCK_TOKENS)
+            chain = systems[rng.randrange(system_prompts)] + _chain((2, c), history)
+            index.record(chain, fleet[w].id, now=0.0, pin=False)
+            conversations.append(chain)
+            full[w] = index.stats(fleet[w].id).blocks >= capacity
+        c += 1
+    blocks = sum(index.stats(w.id).blocks for w in fleet)
+    tokens = TokenAccounting(CHARS_PER_TOKEN, BLOCK_CHARS)
+    return Fleet(registry, fleet, index, costs, tokens, conversations, blocks)
+
+
+def _request(chain: list[int]) -> RouteRequest:
+    chars = len(chain) * BLOCK_CHARS
+    return RouteRequest(
+        kind=ApiKind.CHAT,
+        model="m",
+        stream=True,
+        include_usage=True,
+        prompt_chars=chars,
+        prompt_tokens=int(chars / CHARS_PER_TOKEN),
+        block_hashes=chain,
+        routing_key=None,
+        rid=None,
+        body=b"",
+        block_chars=BLOCK_CHARS,
+    )
+
+
+def make_requests(fleet: Fleet, n: int, system_prompts: int, seed: int) -> list[RouteRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        draw = rng.random()
+        if draw < 0.7:
+            held = rng.choice(fleet.conversations)
+            chain = held + _chain((3, seed, i), TURN_BLOCKS)
+        elif draw < 0.9:
+            system = _chain((1, rng.randrange(system_prompts)), SYSTEM_BLOCKS)
+            chain = system + _chain((4, seed, i), rng.randint(5, 60))
+        else:
+            chain = _chain((5, seed, i), rng.randint(1_000, 4_000) // int(BLOCK_TOKENS))
+        out.append(_request(chain))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    """The worker's answer, as ``RoutingCore.feedback`` reads it."""
+
+    status: int
+    ttft_s: float | None
+    cached_tokens: int | None
+    prompt_tokens: int | None
+
+
+class Decider:
+    """The router's decision phases, in its order, over one fleet and policy."""
+
+    def __init__(self, fleet: Fleet, policy: str, seed: int, in_flight_per_worker: int) -> None:
+        self.fleet = fleet
+        self.core = RoutingCore(
+            create_policy(policy),
+            fleet.index,
+            fleet.costs,
+            random.Random(seed),
+            fleet.tokens,
+            ttft_estimate(),
+        )
+        self.log = DecisionLog()
+        self.outstanding: deque[tuple[RouteRequest, Choice, Lease]] = deque()
+        self.limit = in_flight_per_worker * len(fleet.workers)
+        self.now = 1.0
+
+    def decide(self, req: RouteRequest, n: int) -> tuple[RouteRequest, Choice, Lease]:
+        """One decision, as ``Router.handle`` and ``Router._attempt`` make it."""
+        core, registry = self.core, self.fleet.registry
+        core.estimate(req)
+        workers = registry.candidates((), req.model, None, None)
+        choice = core.choose(req, workers, self.now, None, None, None)
+        record = DecisionRecord.from_decision(
+            request_id=f"r{n}",
+            policy=choice.policy.name,
+            decision=choice.decision,
+            candidates=choice.views,
+            prompt_tokens=req.prompt_tokens,
+            model=req.model,
+        )
+        record.arm, record.shadows = choice.arm, choice.shadows
+        record.estimated_ttft_s = choice.estimated_ttft_s
+        self.log.add(record)
+        lease = core.dispatch(req, choice, self.now, None)
+        record.index_mode = choice.index_mode
+        return req, choice, lease
+
+    def finish_oldest(self) -> None:
+        """The oldest outstanding request ends: the worker reports the predicted prefix
+        cached, the lease is released (not timed)."""
+        req, choice, lease = self.outstanding.popleft()
+        report = _Report(200, 0.05, choice.matched_tokens, req.prompt_tokens)
+        self.core.feedback(req, choice, lease, report, self.now, None)
+        lease.release()
+
+    def run(
+        self,
+        requests: Sequence[RouteRequest],
+        timed: bool,
+        profiler: cProfile.Profile | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """Decide every request; when ``timed``, the wall and CPU time of each (ns).
+        ``profiler`` is on during the decisions only."""
+        walls: list[int] = []
+        cpus: list[int] = []
+        wall, cpu = time.perf_counter_ns, time.thread_time_ns
+        for n, req in enumerate(requests):
+            while len(self.outstanding) >= self.limit:
+                self.finish_oldest()
+            self.now += 0.001
+            if profiler is not None:
+                profiler.enable()
+            c0, w0 = cpu(), wall()
+            outcome = self.decide(req, n)
+            w1, c1 = wall(), cpu()
+            if profiler is not None:
+                profiler.disable()
+            self.outstanding.append(outcome)
+            if timed:
+                walls.append(w1 - w0)
+                cpus.append(c1 - c0)
+        return walls, cpus
+
+
+class GcPauses:
+    """Collections of the cyclic garbage collector while installed: count and longest
+    pause of the full (generation 2) ones, longest pause of any."""
+
+    def __init__(self) -> None:
+        self.full = 0
+        self.longest_full_s = 0.0
+        self.longest_s = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._start
+        self.longest_s = max(self.longest_s, pause)
+        if info["generation"] == 2:
+            self.full += 1
+            self.longest_full_s = max(self.longest_full_s, pause)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    workers: int
+    blocks: int
+    policy: str
+    p50_us: float  # wall
+    p99_us: float
+    max_us: float
+    cpu_p50_us: float  # this thread's CPU time
+    cpu_p99_us: float
+    holders: float  # mean number of workers the index matched per request
+    full_gcs: int  # full collections during the timed decisions
+    longest_gc_ms: float  # longest collection (any generation)
+
+
+def _pct(sorted_ns: Sequence[int], q: float) -> float:
+    return sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1e3
+
+
+def measure(
+    fleet: Fleet,
+    policy: str,
+    args: argparse.Namespace,
+    profile: bool = False,
+) -> Row:
+    decider = Decider(fleet, policy, args.seed, args.in_flight)
+    warmup = make_requests(fleet, args.warmup, args.system_prompts, args.seed + 1)
+    timed = make_requests(fleet, args.requests, args.system_prompts, args.seed + 2)
+    holders = statistics.fmean(len(fleet.index.match(r.block_hashes)) for r in timed[:500])
+    decider.run(warmup, timed=False)
+    profiler = cProfile.Profile() if profile else None
+    with GcPauses() as pauses:
+        walls, cpus = decider.run(timed, True, profiler)
+    times, cpu_times = sorted(walls), sorted(cpus)
+    if profiler is not None:
+        out = io.StringIO()
+        stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+        stats.print_stats(18)
+        print(out.getvalue())
+    while decider.outstanding:
+        decider.finish_oldest()
+    return Row(
+        len(fleet.workers),
+        fleet.blocks,
+        policy,
+        _pct(times, 0.50),
+        _pct(times, 0.99),
+        times[-1] / 1e3,
+        _pct(cpu_times, 0.50),
+        _pct(cpu_times, 0.99),
+        holders,
+        pauses.full,
+        pauses.longest_s * 1e3,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--fleets", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--requests", type=int, default=3000, help="timed decisions per cell")
+    parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--capacity-tokens", type=int, default=420_000)
+    parser.add_argument("--system-prompts", type=int, default=32)
+    parser.add_argument("--in-flight", type=int, default=4, help="outstanding per worker")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", metavar="POLICY", help="cProfile it at the largest fleet")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    rows: list[Row] = []
+    largest = max(args.fleets)
+    for workers in args.fleets:
+        built = time.perf_counter()
+        fleet = build_fleet(workers, args.capacity_tokens, args.system_prompts, args.seed)
+        gc.collect()
+        print(
+            f"# {workers} workers: {fleet.blocks:,} blocks, {len(fleet.conversations):,} "
+            f"conversations, built in {time.perf_counter() - built:.1f} s",
+            flush=True,
+        )
+        for policy in args.policies:
+            profile = args.profile == policy and workers == largest
+            rows.append(measure(fleet, policy, args, profile))
+        del fleet
+        gc.collect()
+    print()
+    print(
+        "| workers | blocks in the index | policy | workers matched per request (mean) "
+        "| p50 µs | p99 µs | max µs | CPU p50 µs | CPU p99 µs | full GCs | longest GC ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.workers} | {r.blocks:,} | {r.policy} | {r.holders:.1f} | {r.p50_us:,.0f} "
+            f"| {r.p99_us:,.0f} | {r.max_us:,.0f} | {r.cpu_p50_us:,.0f} | {r.cpu_p99_us:,.0f} "
+            f"| {r.full_gcs} | {r.longest_gc_ms:,.1f} |"
+        )
+    print()
+    print(
+        f"- {args.requests} timed decisions per cell after {args.warmup} untimed; "
+        f"{args.in_flight} requests in flight per worker; load average (1 min) "
+        f"before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} "
+        f"({os.cpu_count()} cores, shared)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
