@@ -1,6 +1,6 @@
 """Live PD benchmark: prefill/decode disaggregation against a regular fleet of the same size.
 
-    python -m loadtests.bench.pd [--prefill 2] [--decode 2] [--speed 2] [--rounds 2]
+    python -m loadtests.bench.pd [--prefill 2] [--decode 2] [--speed 1] [--rounds 3]
         [--workload NAME:k=v,...] [--arms ARM ...] [--results DIR]
 
 One run starts, as subprocesses on 127.0.0.1 (``loadtests.harness.sim_fleet``), the two
@@ -404,7 +404,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (N)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (M)")
     p.add_argument("--profile", default="llama3-8b-h100")
-    p.add_argument("--speed", type=float, default=2.0, help="modelled s per wall s")
+    p.add_argument(
+        "--speed", type=float, default=1.0,
+        help="modelled s per wall s (default 1: a PD pair's extra HTTP hops take wall time)",
+    )  # fmt: skip
     p.add_argument("--capacity-tokens", type=int, default=32768, help="KV tokens per worker")
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="per worker (default: SGLang's formula, as the replay)")  # fmt: skip

@@ -64,7 +64,7 @@ from loadtests.harness.ports import free_port
 from loadtests.harness.sim_fleet import SimSettings, run_sim_fleet
 from loadtests.harness.stats import percentile
 from loadtests.workloads import Workload, create_workload
-from loadtests.workloads.lora import NAME, adapter_name, adapter_path
+from loadtests.workloads.lora import NAME, adapter_name, adapter_path, warmup_orders
 
 MODEL = "tiny-llama"  # SimSettings' --served-model-name
 DEFAULT_TARGETS = (
@@ -109,18 +109,6 @@ class TargetResult:
     errors: dict[str, int] = field(default_factory=dict)
     round_p90s: list[float] = field(default_factory=list)  # merged: each round's TTFT p90
     speed: float = 1.0
-
-
-def warmup_orders(adapters: Sequence[str], workers: int, slots: int) -> list[list[str]]:
-    """Per worker, every adapter once, worker ``k``'s last ``slots`` being adapters
-    ``k, k + workers, k + 2 x workers, ...`` (``adapters`` by popularity, so the popular
-    ones are striped over the workers; wrapping round): what it holds after the warm-up."""
-    n = len(adapters)
-    orders = []
-    for k in range(workers):
-        tail = list(dict.fromkeys(adapters[(k + j * workers) % n] for j in range(min(slots, n))))
-        orders.append([a for a in adapters if a not in tail] + tail)
-    return orders
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:

@@ -417,7 +417,7 @@ def render(results: Sequence[tuple[Row, dict[str, Any]]]) -> str:
     ref = next((s for r, s in results if r.policy == PD_REFERENCE_NAME), None)
     lines = [
         "| row | TTFT p50 / p99 (s) | p50 / p99 ÷ sglang-router 0.3.2 PD | hit rate "
-        "| TPOT p50 (ms) | completed / requests | req/s | output tok/s | share per prefill "
+        "| TPOT p50 / p99 (ms) | completed / requests | req/s | output tok/s | share per prefill "
         "(per worker when regular) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -430,7 +430,8 @@ def render(results: Sequence[tuple[Row, dict[str, Any]]]) -> str:
         share = " / ".join(f"{v:.2f}" for v in s["worker_share"].values())
         lines.append(
             f"| {row.spec} | {_f(t['p50'], 3)} / {_f(t['p99'], 3)} | {ratios} | "
-            f"{_f(s['hit_rate'], 3)} | {_f(s['tpot_s']['p50'] * 1e3, 1)} | "
+            f"{_f(s['hit_rate'], 3)} | {_f(s['tpot_s']['p50'] * 1e3, 1)} / "
+            f"{_f(s['tpot_s']['p99'] * 1e3, 1)} | "
             f"{s['completed']} / {s['requests']} | "
             f"{_f(s['requests_per_s'], 2)} | {_f(s['output_tokens_per_s'], 0)} | {share} |"
         )

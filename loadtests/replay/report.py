@@ -47,6 +47,7 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         *capture_rows(summary.get("routing_capture")),
         ("worker share", " ".join(_fmt(v, 2) for v in summary["worker_share"].values())),
     ]  # fmt: skip
+    rows += lora_rows(summary.get("lora"))
     exact = summary.get("exact")
     if exact is not None:
         modes = exact["fidelity"]
@@ -75,6 +76,26 @@ def capture_rows(capture: Mapping[str, Any] | None) -> list[tuple[str, str]]:
                      f"{_fmt(_num(c['captured_over_available']))} / "
                      f"{_fmt(_num(c['delivered_over_available']))}"))  # fmt: skip
     return rows
+
+
+def lora_rows(lora: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """Rows for a LoRA run's ``lora`` (``loadtests.replay.lora``)."""
+    if not lora:
+        return []
+    counters = lora["counters"].values()
+    per = " · ".join("/".join(str(c[k]) for k in ("loads", "reloads", "evictions"))
+                     for c in counters)  # fmt: skip
+    totals = "/".join(str(lora["totals"][k]) for k in ("loads", "reloads", "evictions"))
+    errors = ", ".join(f"{k}: {v}" for k, v in lora["errors"].items()) or "none"
+    top = lora["top_adapter_requests"].values()
+    return [
+        ("LoRA routing", "adapter-aware" if lora["affinity"] else "adapter-blind"),
+        ("LoRA loads / implicit reloads / evictions", f"{per} (Σ {totals})"),
+        ("LoRA gateway loads; errors; rejected", f"{lora['gateway_loads']}; {errors}; "
+         f"{lora['rejected']}"),
+        (f"LoRA top adapter ({lora['top_adapter']}) per worker", " / ".join(map(str, top))),
+        ("LoRA its busiest holder's share of all", _fmt(lora["top_holder_share"], 3)),
+    ]  # fmt: skip
 
 
 def _num(value: Any) -> Any:

@@ -20,6 +20,13 @@ from typing import Any
 from gateway.config.policyspec import parse_params
 from loadtests.replay.bounds import compute_bounds
 from loadtests.replay.exact import DEFAULT_EVENT_DELAY_S, ReplayExact
+from loadtests.replay.lora import (
+    LoraSettings,
+    LoraSimulation,
+    lora_simulation,
+    make_lora_workers,
+    workload_adapters,
+)
 from loadtests.replay.metrics import summarize
 from loadtests.replay.prompts import PromptBuilder, trace_block_requests
 from loadtests.replay.sglang_rule import REFERENCE_NAME, SglangCacheAware
@@ -52,6 +59,12 @@ class ReplayConfig:
     hybrid: bool = True  # exact mode's predicted blocks (kv_events.hybrid, the default)
     event_delay_s: float = DEFAULT_EVENT_DELAY_S  # step end -> batch applied
     bounds: bool = True  # compute the bounds (OPT over every block reference)
+    # a workload naming LoRA adapters (loadtests.replay.lora): the workers' slots, per
+    # batch limit and load time, and the gateway's adapter affinity
+    max_loaded_loras: int = 6
+    max_loras_per_batch: int = 4
+    lora_load_s: float = 0.2
+    lora_affinity: bool = True
 
 
 def parse_policy_args(pairs: Sequence[str]) -> dict[str, Any]:
@@ -95,13 +108,16 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
     workload = load_workload(config)
     policy = make_policy(config.policy, dict(config.policy_args))
     builder = PromptBuilder()
-    workers = make_workers(config.workers, config.capacity_tokens, config.profile,
-                           config.page_size, kv_events=config.exact)  # fmt: skip
     exact = None
     if config.exact:
         exact = functools.partial(_exact, config)
-    sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare, seed=config.seed,
-                     exact=exact)  # fmt: skip
+    if any(r.adapter for r in workload.requests):  # LoRA workers, adapter-aware routing
+        sim: Simulation = _lora_sim(config, workload, policy, builder, exact)
+    else:
+        workers = make_workers(config.workers, config.capacity_tokens, config.profile,
+                               config.page_size, kv_events=config.exact)  # fmt: skip
+        sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare,
+                         seed=config.seed, exact=exact)  # fmt: skip
     try:
         outcome = sim.run(workload.requests)
     finally:
@@ -116,6 +132,8 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
     trace_blocks = trace_block_requests(list(workload.requests)) if config.bounds else []
     if trace_blocks:  # Mooncake's own blocks, as PERFORMANCE.md section 2 counts them
         summary["bounds_block_level"] = compute_bounds(trace_blocks, capacity).block_rates()
+    if isinstance(sim, LoraSimulation):
+        summary["lora"] = sim.lora_summary()
     if sim.exact is not None:
         summary["exact"] = {"fidelity": sim.exact.fidelity(), "batches": sim.exact.batches,
                             "modes": sim.exact.manager.modes()}  # fmt: skip
@@ -123,6 +141,27 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
     summary["config"] = {**asdict(config), "policy_describe": policy.describe()}
     summary["wall_s"] = time.perf_counter() - started
     return summary, outcome
+
+
+def _lora_sim(
+    config: ReplayConfig,
+    workload: Workload,
+    policy: Policy,
+    builder: PromptBuilder,
+    exact: Callable[[Sequence[str], Callable[[], float]], ReplayExact] | None,
+) -> LoraSimulation:
+    """The LoRA fleet, warmed up; the reference sglang-router rule is adapter-blind."""
+    lora = LoraSettings(
+        max_loras_per_batch=config.max_loras_per_batch,
+        max_loaded_loras=config.max_loaded_loras,
+        load_s=config.lora_load_s,
+        affinity=config.lora_affinity and config.policy != REFERENCE_NAME,
+    )
+    workers = make_lora_workers(config.workers, config.capacity_tokens, config.profile, lora,
+                                config.page_size, kv_events=config.exact)  # fmt: skip
+    adapters = workload_adapters(workload.requests, dict(workload.params))
+    return lora_simulation(policy, workers, config.capacity_tokens, builder.prepare,
+                           builder.model, lora, adapters, config.seed, exact)  # fmt: skip
 
 
 def _exact(config: ReplayConfig, worker_ids: Sequence[str], clock: Callable[[], float]
@@ -165,6 +204,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the bounds (OPT over every block: slow on long runs)",
     )
+    lora = parser.add_argument_group("LoRA (a workload naming adapters: lora-tenants)")
+    lora.add_argument("--max-loaded-loras", type=int, default=6, help="adapter slots per worker")
+    lora.add_argument("--max-loras-per-batch", type=int, default=4)
+    lora.add_argument("--lora-load-s", type=float, default=0.2, help="modelled s per load")
+    lora.add_argument("--no-lora-affinity", action="store_true",
+                      help="adapter-blind routing (the gateway's --no-lora-affinity)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output folder")
 
 
@@ -187,4 +232,8 @@ def config_from_args(ns: argparse.Namespace, time_scale: float) -> ReplayConfig:
         hybrid=not ns.no_hybrid,
         event_delay_s=ns.event_delay_ms / 1000,
         bounds=not ns.no_bounds,
+        max_loaded_loras=ns.max_loaded_loras,
+        max_loras_per_batch=ns.max_loras_per_batch,
+        lora_load_s=ns.lora_load_s,
+        lora_affinity=not ns.no_lora_affinity,
     )

@@ -73,6 +73,7 @@ class _InFlight:
     lease: Lease
     choice: Choice
     exact: ExactRequest | None
+    sent_s: float | None = None  # dispatched after its arrival (a LoRA load first): then
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +258,8 @@ class Simulation:
         if out.finished:
             rec.finish_s = now
             live.lease.release()
-            ttft = None if rec.first_token_s is None else rec.first_token_s - rec.arrival_s
+            sent = rec.arrival_s if live.sent_s is None else live.sent_s  # live: from dispatch
+            ttft = None if rec.first_token_s is None else rec.first_token_s - sent
             outcome = _Outcome(ttft, rec.cached_tokens, rec.prompt_tokens)
             self.core.feedback(live.route, live.choice, live.lease, outcome, now, live.exact)
             del self._live[out.rid]

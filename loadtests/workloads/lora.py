@@ -18,6 +18,7 @@ Working set (every context and question cached once, no template):
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from loadtests.workloads.arrivals import poisson_arrivals
 from loadtests.workloads.base import ChatMessage, Workload, WorkloadRequest, finish
@@ -35,6 +36,19 @@ def adapter_name(tenant: int) -> str:
 def adapter_path(name: str) -> str:
     """Where a worker loads adapter ``name`` from (the simulator reads no weights)."""
     return f"{ADAPTER_ROOT}/{name}"
+
+
+def warmup_orders(adapters: Sequence[str], workers: int, slots: int) -> list[list[str]]:
+    """Per worker, every adapter once, worker ``k``'s last ``slots`` being adapters
+    ``k, k + workers, k + 2 x workers, ...`` (``adapters`` by popularity, so the popular
+    ones are striped over the workers; wrapping round): what it holds after the warm-up
+    (the live bench's, ``loadtests.micro.lora``, and the offline replay's)."""
+    n = len(adapters)
+    orders = []
+    for k in range(workers):
+        tail = list(dict.fromkeys(adapters[(k + j * workers) % n] for j in range(min(slots, n))))
+        orders.append([a for a in adapters if a not in tail] + tail)
+    return orders
 
 
 def zipf_weights(n: int, s: float) -> list[float]:
