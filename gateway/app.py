@@ -259,6 +259,7 @@ def make_kv_events(
         session,
         clock=registry.clock,
         allowlist=allowlist,
+        rank_targets=lambda wid: len(w.ranks) if (w := registry.get(wid)) else 0,
     )
 
 

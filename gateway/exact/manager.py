@@ -26,6 +26,10 @@ Hybrid (``hybrid``): a request dispatched to an exact-mode worker records its bl
 predicted entries, so siblings of a prompt still in prefill co-locate; the event that
 stores them confirms them (TTL and its trade-off: :mod:`gateway.exact.index`).
 
+Events are keyed by the routing target they describe: a DP rank's own target when the
+registry routes to that rank (``rank_targets``), else the worker, its ranks unioned (a
+rank-blind worker, ``dp_aware: false``).
+
 Fidelity: per (worker, mode), predicted vs reported cached tokens of finished requests.
 
 Cost: a match hashes the request once per distinct block size, then one set lookup per
@@ -133,8 +137,12 @@ class KVEventsManager:
         session: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
         allowlist: HostAllowList | None = None,
+        rank_targets: Callable[[str], int] | None = None,
     ) -> None:
         self.settings = settings
+        # how many DP rank targets the registry routes a worker as (None: as many as its
+        # descriptor tells, up to MAX_ROUTED_DP_RANKS: the offline replay's rule)
+        self._rank_targets = rank_targets
         self.tokenizers = (
             tokenizers if isinstance(tokenizers, TokenizerChoice) else TokenizerChoice(tokenizers)
         )
@@ -346,7 +354,7 @@ class KVEventsManager:
             return
         now = self._clock()
         state.awaiting_since = None
-        target = _target(wid, rank, state.desc)
+        target = self._target(wid, rank, state.desc)
         for event in events:
             stored = self.index.apply(target, rank, event, state.desc.block_size)
             if stored:
@@ -355,12 +363,21 @@ class KVEventsManager:
     def _gap_lost(self, wid: str, rank: int) -> None:
         state = self._states.get(wid)
         desc = None if state is None else state.desc
-        self.index.clear(wid if desc is None else _target(wid, rank, desc), rank)
+        self.index.clear(wid if desc is None else self._target(wid, rank, desc), rank)
         state = self._states.get(wid)
         if state is not None:
             state.lost_at = self._clock()
             state.degraded_until = state.lost_at + self.settings.stale_timeout_s
         log.warning("kv events: worker %s rank %d lost batches replay could not fill", wid, rank)
+
+    def _target(self, wid: str, rank: int, desc: Descriptor) -> str:
+        """The routing target a rank's events describe: the rank's own target id when the
+        registry routes to it (``Worker.ranks``), else the worker."""
+        if self._rank_targets is None:
+            routed = routed_ranks(desc.dp_size)
+        else:
+            routed = self._rank_targets(wid)
+        return rank_target_id(wid, rank) if rank < routed else wid
 
     # modes and matching ------------------------------------------------------
     def _state(self, target_id: str) -> _WorkerState | None:
@@ -486,12 +503,6 @@ class KVEventsManager:
         f.predicted_tokens += predicted
         f.true_predicted_tokens += min(predicted, reported)
         f.reported_tokens += reported
-
-
-def _target(wid: str, rank: int, desc: Descriptor) -> str:
-    """The routing target a rank's events describe: the rank's own target id when the
-    worker has several (the registry routes to each, ``Worker.ranks``), else the worker."""
-    return rank_target_id(wid, rank) if routed_ranks(desc.dp_size) else wid
 
 
 def _quoted(value: Any) -> str:

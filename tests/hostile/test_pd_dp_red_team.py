@@ -326,3 +326,49 @@ async def test_a_client_leaving_between_the_pairs_heads_closes_both(
             await until(lambda: bool(prefill.aborts and decode.aborts), "both aborted")
     finally:
         end.set()
+
+
+# --- exact mode keyed by targets the registry does not route to -------------------------
+
+KV_CONFIG = (
+    '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","replay_endpoint":"tcp://127.0.0.1:*"}'
+)
+
+
+async def test_exact_mode_on_a_rank_blind_dp_worker_predicts_its_hits() -> None:
+    """Exact mode keyed a DP worker's KV events per rank whenever its descriptor had
+    ranks, whatever the registry routed to: rank-blind (``dp_aware: false``, one target
+    per worker) it matched nothing ever, in ``exact`` mode, while the worker reported
+    its prefix cached. Keyed by the registry's targets, the ranks are unioned under the
+    worker's id, as the approximate index does."""
+    from simulator.fleet import SimConfig, SimulatedFleet  # the simulator: this test only
+
+    conf = SimConfig(speed=50.0, page_size=16, dp_size=2, kv_events_config=KV_CONFIG)
+    overrides = {
+        "policy__name": "cache_aware",
+        "kv_events__enabled": True,
+        "kv_events__discovery_interval_s": 0.1,
+        "kv_events__hybrid": False,
+        "dp_aware": False,
+    }
+    async with (
+        await SimulatedFleet.start(1, conf) as fleet,
+        run_gateway(fleet.urls, **overrides) as gw,
+    ):
+        manager = gw.router._exact
+        assert manager is not None
+        wid = gw.registry.find(fleet.urls[0]).id  # type: ignore[union-attr]
+        await until(lambda: manager.mode(wid) == "exact", "following its events", 10)
+        context = " ".join(f"shared{i}" for i in range(300))
+        matched, reported = [], []
+        for q in range(4):  # SGLang's round robin over the ranks
+            ask = {**CHAT, "messages": [{"role": "user", "content": f"{context} q{q}"}]}
+            status, body = await post(gw, "/v1/chat/completions", {**ask, "max_tokens": 2})
+            assert status == 200, body
+            reported.append(orjson.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"])
+            record = gw.router.decisions.latest(1)[0]
+            assert record.worker == wid and record.index_mode == "exact"
+            matched.append(record.matched_tokens)
+            await until(lambda: manager.index.blocks(wid) > 0, "its first blocks stored")
+        # the context is held by some rank from the first request on: predicted since
+        assert max(reported) > 0 and matched[1:] == [max(reported)] * 3, (matched, reported)
