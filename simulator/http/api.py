@@ -190,6 +190,40 @@ def usage_excluding_none(u: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in u.items() if v is not None}
 
 
+# ---------------------------------------------------------------------- sglext
+def sglext(cached_tokens_details: dict[str, int] | None) -> dict[str, Any] | None:
+    """The OpenAI routes' ``sglext`` object (0.5.9+) when the request set
+    ``return_cached_tokens_details``: its set fields only, null when there is none."""
+    if cached_tokens_details is None:
+        return None
+    return {"cached_tokens_details": cached_tokens_details}
+
+
+def with_sglext(response: dict[str, Any], ext: dict[str, Any] | None) -> dict[str, Any]:
+    """A non-streamed response with ``sglext`` last, omitted when null (0.5.23's
+    serializer)."""
+    if ext is not None:
+        response["sglext"] = ext
+    return response
+
+
+def sglext_chunk(rid: str, created: int, model: str, kind: str, ext: dict[str, Any]) -> bytes:
+    """The extra stream chunk carrying ``sglext`` (``choices`` empty, ``usage`` null),
+    after the last content chunk and before the usage chunk; ``kind`` is the chunks'
+    ``object``."""
+    return sse(
+        {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": None,
+            "sglext": ext,
+        }
+    )
+
+
 # ---------------------------------------------------------------------- chat
 def chat_response(
     rid: str,
@@ -198,25 +232,29 @@ def chat_response(
     text: str,
     finish: Finish | None,
     u: dict[str, Any],
+    ext: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     reason, matched = openai_finish_reason(finish)
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "reasoning_content": None},
-                "logprobs": None,
-                "finish_reason": reason,
-                "matched_stop": matched,
-            }
-        ],
-        "usage": u,
-        "metadata": metadata(u["completion_tokens"]),
-    }
+    return with_sglext(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                    "matched_stop": matched,
+                }
+            ],
+            "usage": u,
+            "metadata": metadata(u["completion_tokens"]),
+        },
+        ext,
+    )
 
 
 def weight_versions(completion_tokens: int) -> list[dict[str, Any]]:
@@ -285,17 +323,25 @@ def completion_choice(index: int, text: str, finish: Finish | None) -> dict[str,
 
 
 def completion_response(
-    rid: str, created: int, model: str, choices: list[dict[str, Any]], u: dict[str, Any]
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    u: dict[str, Any],
+    ext: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": u,
-        "metadata": metadata(u["completion_tokens"]),
-    }
+    return with_sglext(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": u,
+            "metadata": metadata(u["completion_tokens"]),
+        },
+        ext,
+    )
 
 
 def completion_chunk(

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import msgpack
+import orjson
 import pytest
 import zmq
 import zmq.asyncio
@@ -122,6 +123,47 @@ async def test_a_prompt_evicted_to_the_host_is_loaded_back_and_reported_as_host(
     assert stats["host_capacity_tokens"] == 6000
     assert stats["cached_host_tokens_total"] == details["host"]
     assert stats["hicache_load_tokens_total"] == details["host"]
+
+
+async def _post(client: aiohttp.ClientSession, url: str, path: str, body: Any) -> bytes:
+    async with client.post(url + path, json=body) as resp:
+        assert resp.status == 200
+        return await resp.read()
+
+
+async def test_openai_routes_answer_return_cached_tokens_details_in_sglext(
+    hicache_fleet: SimulatedFleet, client: aiohttp.ClientSession
+) -> None:
+    url = hicache_fleet.urls[0]
+    for ids in (A, B):
+        await _generate(client, url, ids)
+    body = {"model": "m", "prompt": A, "max_tokens": 2, "return_cached_tokens_details": True}
+    doc = orjson.loads(await _post(client, url, "/v1/completions", body))
+    assert list(doc)[-2:] == ["metadata", "sglext"]
+    details = doc["sglext"]["cached_tokens_details"]
+    assert details["host"] > 0 and details["device"] + details["host"] == 1984
+    # streamed: one chunk of its own, after the finish and before the usage chunk
+    await _generate(client, url, B)  # A back to the host
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    raw = await _post(client, url, "/v1/completions", stream)
+    chunks = [orjson.loads(e[6:]) for e in raw.decode().split("\n\n") if e[6:7] == "{"]
+    assert [("sglext" in c, c["usage"] is not None) for c in chunks[-3:]] == [
+        (False, False), (True, False), (False, True)
+    ]  # fmt: skip
+    assert chunks[-2]["choices"] == [] and chunks[-2]["sglext"]["cached_tokens_details"]["host"]
+    # chat: a repeat hits the GPU; without the flag no sglext
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}],
+            "max_tokens": 2, "return_cached_tokens_details": True}  # fmt: skip
+    await _post(client, url, "/v1/chat/completions", chat)
+    doc = orjson.loads(await _post(client, url, "/v1/chat/completions", chat))
+    assert doc["sglext"]["cached_tokens_details"]["host"] == 0
+    assert doc["sglext"]["cached_tokens_details"]["device"] > 0
+    plain = orjson.loads(
+        await _post(
+            client, url, "/v1/chat/completions", {**chat, "return_cached_tokens_details": False}
+        )
+    )
+    assert "sglext" not in plain
 
 
 async def test_server_info_names_the_tier_and_loads_are_sglangs(
@@ -235,4 +277,6 @@ async def test_without_the_flag_nothing_of_the_tier_appears(
         assert _value(samples, "sglang:cached_tokens_total", cache_source="device") == 1984
         info = await _get(client, url + "/server_info")
         assert "enable_hierarchical_cache" not in info
+        body = {"model": "m", "prompt": A, "max_tokens": 2, "return_cached_tokens_details": True}
+        assert "sglext" not in orjson.loads(await _post(client, url, "/v1/completions", body))
         assert _worker(fleet).engine.tiered is None

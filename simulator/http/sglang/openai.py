@@ -9,7 +9,9 @@ starts after the first output (so an early failure is still an HTTP status), a c
 stream at once (a refused request is an ``error`` event); an abort mid-stream is an
 ``error`` event. ``stream_options``: ``include_usage`` adds a usage chunk,
 ``continuous_usage_stats`` puts usage on every chunk; ``usage.prompt_tokens_details`` only
-with ``enable_cache_report``. A list of completion prompts runs as parallel requests (rids
+with ``enable_cache_report``; with HiCache, ``return_cached_tokens_details`` adds
+``sglext.cached_tokens_details`` (non-streamed: after ``metadata``; streamed: a chunk of
+its own before the usage chunk). A list of completion prompts runs as parallel requests (rids
 ``rid``, ``rid_1``…), not streamed. An embedding is a deterministic unit vector per input
 (there is no model to embed with). The DP rank: ``X-Data-Parallel-Rank``, else
 ``routed_dp_rank``, else ``data_parallel_rank`` (:mod:`.dp`).
@@ -55,6 +57,7 @@ class OpenAIRoutes(SGLangCore):
             except Exception as exc:  # a template that refuses the conversation (SGLang: 400)
                 raise api.bad_request(f"Error in applying chat template: {exc}") from None
         gen, model, include_usage, continuous = self._openai_common(request, body, prompt, None)
+        details = self._wants_details(body)
         if not gen.stream:
             handle = self._submit_openai(gen)
             with self._aborting_on_exit(handle):
@@ -63,8 +66,9 @@ class OpenAIRoutes(SGLangCore):
             u = self._usage(handle)
             text = self._text(handle, 0, handle.completion_tokens)
             created = int(time.time())
-            return json_response(api.chat_response(gen.rid, created, model, text, finish, u))
-        return await self._chat_stream(request, gen, model, include_usage, continuous)
+            ext = self._sglext(handle) if details else None
+            return json_response(api.chat_response(gen.rid, created, model, text, finish, u, ext))
+        return await self._chat_stream(request, gen, model, include_usage, continuous, details)
 
     async def _chat_stream(
         self,
@@ -73,6 +77,7 @@ class OpenAIRoutes(SGLangCore):
         model: str,
         include_usage: bool,
         continuous: bool,
+        details: bool = False,
     ) -> web.StreamResponse:
         handle = self._submit_openai(gen)
         created = int(time.time())
@@ -114,6 +119,10 @@ class OpenAIRoutes(SGLangCore):
                 await resp.write(
                     api.chat_chunk(rid, created, model, {"reasoning_content": None}, finish)
                 )
+                ext = self._sglext(handle) if details else None
+                if ext is not None:
+                    kind = "chat.completion.chunk"
+                    await resp.write(api.sglext_chunk(rid, created, model, kind, ext))
                 if include_usage:
                     await resp.write(api.chat_usage_chunk(rid, created, model, self._usage(handle)))
             await resp.write(api.DONE)
@@ -168,6 +177,18 @@ class OpenAIRoutes(SGLangCore):
             raise api.scheduler_abort_error(finish.status_code, finish.message or "aborted")
         return finish
 
+    def _wants_details(self, body: dict[str, Any]) -> bool:
+        """``return_cached_tokens_details``, answered when HiCache is on (the tier split is
+        what it is for; without HiCache the simulator keeps its former bodies)."""
+        return (
+            self.config.enable_hierarchical_cache
+            and body.get("return_cached_tokens_details") is True
+        )
+
+    @staticmethod
+    def _sglext(handle: RequestHandle) -> dict[str, Any] | None:
+        return api.sglext(api.cached_details(handle.cached_tokens, handle.cached_host))
+
     def _usage(self, handle: RequestHandle, completion: int | None = None) -> dict[str, Any]:
         return api.usage(
             handle.prompt_tokens,
@@ -185,11 +206,13 @@ class OpenAIRoutes(SGLangCore):
         prompts, texts = self._completion_prompts(body.get("prompt"))
         echo = bool(body.get("echo", False))
         first, model, include_usage, continuous = self._openai_common(request, body, prompts[0], 16)
+        details = self._wants_details(body)
         if len(prompts) > 1 and first.stream:
             raise api.bad_request("The simulated worker does not stream batches.")
         if first.stream:
+            echo_text = texts[0] if echo else ""
             return await self._completions_stream(
-                request, first, model, include_usage, continuous, texts[0] if echo else ""
+                request, first, model, include_usage, continuous, echo_text, details
             )
         gens = [first] + [
             dataclasses.replace(first, rid=f"{first.rid}_{i}", prompt_ids=p)
@@ -219,7 +242,8 @@ class OpenAIRoutes(SGLangCore):
             cached += handle.cached_tokens
         u = api.usage(prompt_tokens, completion_tokens, cached, self.config.enable_cache_report)
         created = int(time.time())
-        return json_response(api.completion_response(first.rid, created, model, choices, u))
+        ext = self._sglext(handles[0]) if details else None  # the first prompt's, as SGLang
+        return json_response(api.completion_response(first.rid, created, model, choices, u, ext))
 
     def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str]]:
         if isinstance(prompt, str):
@@ -242,6 +266,7 @@ class OpenAIRoutes(SGLangCore):
         include_usage: bool,
         continuous: bool,
         echo_text: str,
+        details: bool = False,
     ) -> web.StreamResponse:
         created = int(time.time())
         rid = gen.rid
@@ -277,6 +302,10 @@ class OpenAIRoutes(SGLangCore):
                     if self._maybe_drop(request, chunks):
                         return resp
                 if handle.done:
+                    ext = self._sglext(handle) if details else None
+                    if ext is not None:
+                        kind = "text_completion"
+                        await resp.write(api.sglext_chunk(rid, created, model, kind, ext))
                     if include_usage:
                         u = self._usage(handle)
                         await resp.write(api.completion_usage_chunk(rid, created, model, u))
