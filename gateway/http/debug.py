@@ -106,9 +106,11 @@ def dashboard_data(telemetry: Telemetry, decisions: DecisionSource) -> dict[str,
         "workers": workers,
         "reasons": reasons,
         "decisions": [r.to_dict() for r in decisions.latest(DASHBOARD_DECISIONS)],
-        # per `model` label (gateway_model_*): requests and hit rates
+        # available / captured / delivered (gateway_prefix_tokens), and the requests behind
+        "routing_capture": telemetry.capture.summary(),
+        # per `model` label (gateway_model_*): requests, hit rates, routing capture
         "models": [
-            {"model": name, **_hit_rates(ms)}
+            {"model": name, **_hit_rates(ms), "routing_capture": ms.capture.summary()}
             for name, ms in sorted(telemetry.model_stats().items())
             if ms.requests
         ],

@@ -16,6 +16,8 @@ Contract:
   only when the policy says it uses the match (``Policy.uses_prefix_match``) — and the
   policy selects among them. Embeddings hold no reusable cache: they go to the least
   loaded worker. One candidate and a policy that ignores the match: no policy call.
+  The choice keeps the longest match on any candidate (``Choice.available_tokens``, the
+  *available* of routing capture: ``docs/TELEMETRY.md``), None when no index was matched.
 - :meth:`RoutingCore.dispatch`: the prompt is recorded in the index under the chosen
   worker at dispatch, before the worker answers (so a burst sharing a prefix
   co-locates), and a :class:`~gateway.routing.lease.Lease` counts the request there.
@@ -101,6 +103,9 @@ class Choice:
     shadows: tuple[ShadowPick, ...] = ()
     estimated_ttft_s: float | None = None  # of ``worker``, when shadows are compared
     index_mode: str | None = None  # exact mode's mode for ``worker``, set at dispatch
+    # the longest match on any candidate (routing capture's *available*); None when no
+    # index was consulted (a policy set that ignores the match, or nothing to hash)
+    available_tokens: int | None = None
 
 
 TtftEstimate = Callable[[WorkerView, int], float]  # (view, prompt tokens) -> seconds
@@ -186,6 +191,8 @@ class RoutingCore:
         choice = Choice(
             worker, decision, views, matches.get(worker.id, 0), matched, indexed, policy, arm
         )
+        if indexed or exact is not None:
+            choice.available_tokens = max(v.matched_tokens for v in views)
         if policies.shadows and req.kind is not ApiKind.EMBEDDINGS:
             self._shadows(req, choice, policies)
         return choice

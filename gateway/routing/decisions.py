@@ -4,7 +4,10 @@ A :class:`DecisionRecord` is made by the router right after ``policy.select`` (f
 policy's :class:`~policies.base.Decision` and the candidates it saw) and added to the
 :class:`DecisionLog`. Its :attr:`DecisionRecord.outcome` is filled in once the request
 is over (status, TTFT, the worker's reported cached tokens, retries), so the ring shows
-the prediction next to what the worker then reported.
+the prediction next to what the worker then reported. Routing capture per request
+(``docs/TELEMETRY.md``): :attr:`DecisionRecord.available_tokens` (the longest match on
+any candidate), :attr:`DecisionRecord.matched_tokens` (captured, at the chosen worker),
+the outcome's ``reported_cached_tokens`` (delivered).
 
 Contract: a record never holds prompt text, only counts, ids and scores. The log holds at
 most ``capacity`` records; the oldest are dropped first. Both are used from the event
@@ -91,6 +94,9 @@ class DecisionRecord:
     estimated_ttft_s: float | None = None  # of the pick, when shadows are compared
     # PD mode: ``worker`` is the prefill; the decode worker, its policy's reason and name
     decode: tuple[str, str, str] | None = None
+    # the longest match on any candidate (``Choice.available_tokens``: routing capture's
+    # *available*, ``matched_tokens`` its *captured*); None: no index was consulted
+    available_tokens: int | None = None
 
     @classmethod
     def from_decision(
@@ -138,6 +144,7 @@ class DecisionRecord:
             "reason": self.reason,
             "prompt_tokens": self.prompt_tokens,
             "matched_tokens": self.matched_tokens,
+            "available_tokens": self.available_tokens,
             "candidates": [c.to_dict() for c in self.candidates],
             "outcome": None if self.outcome is None else self.outcome.to_dict(),
         } | (

@@ -240,6 +240,7 @@ class Router:
                     model=req.model,
                 )
                 record.arm, record.shadows = choice.arm, choice.shadows
+                record.available_tokens = choice.available_tokens  # routing capture
                 record.estimated_ttft_s = choice.estimated_ttft_s
                 if decode is not None:
                     d = decode.decision

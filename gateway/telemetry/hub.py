@@ -46,7 +46,7 @@ from gateway.routing.decisions import DecisionOutcome, DecisionRecord
 from gateway.telemetry.collector import FleetCollector
 from gateway.telemetry.logs import set_request_id
 from gateway.telemetry.metrics import CounterChild, HistogramChild
-from gateway.telemetry.series import TTFT_BUCKETS, Metrics, ModelStats, WorkerStats
+from gateway.telemetry.series import TTFT_BUCKETS, Capture, Metrics, ModelStats, WorkerStats
 from gateway.telemetry.snapshot import FleetSnapshot, SnapshotProvider, empty_snapshot
 from gateway.telemetry.tracing import SpanHandle, Tracing, TracingConfig
 from gateway.telemetry.tuning import TuningTelemetry
@@ -188,6 +188,8 @@ def _end_span(
         attrs["gateway.candidates"] = len(record.candidates)
         attrs["gateway.matched_tokens"] = record.matched_tokens
         attrs["gateway.prompt_tokens"] = record.prompt_tokens
+        if record.available_tokens is not None:
+            attrs["gateway.available_tokens"] = record.available_tokens
     if ttft_s is not None:
         attrs["gateway.ttft_s"] = ttft_s
     if reported is not None:
@@ -246,6 +248,8 @@ class Telemetry:
         self._decisions: dict[tuple[str, str], CounterChild] = {}
         self._match_ratio: dict[str, HistogramChild] = {}
         self.reason_counts: dict[tuple[str, str], int] = {}  # (policy, reason) -> decisions
+        # routing capture of the whole gateway (per model: ModelStats.capture); read-only use
+        self.capture = Capture(self._m.capture_tokens, self._m.capture_requests)
         self._quiet = not self.config.metrics and not self._tracing.enabled
 
     @property
@@ -335,6 +339,8 @@ class Telemetry:
         if record is not None and status < 400:
             ws.tokens(record.prompt_tokens, record.matched_tokens, reported)
             ms.tokens(record.prompt_tokens, record.matched_tokens, reported)
+            self.capture.add(record.available_tokens, record.matched_tokens, reported)
+            ms.capture.add(record.available_tokens, record.matched_tokens, reported)
         if record is not None and record.slot_wait_s is not None:
             self._m.slot_waits.labels(record.policy).observe(record.slot_wait_s)
 

@@ -3,7 +3,9 @@
 :class:`Metrics` registers every family updated on the request path in one registry;
 :class:`WorkerStats` caches one worker's children and keeps the plain figures the
 dashboard reads (request count, recent TTFTs, token sums); :class:`ModelStats` does the
-same for one ``model`` label value (``gateway_model_*``). Event loop thread only.
+same for one ``model`` label value (``gateway_model_*``); :class:`Capture` sums routing
+capture (available, captured, delivered) for the gateway and per model. Event loop
+thread only.
 """
 
 from __future__ import annotations
@@ -116,11 +118,38 @@ class Metrics:
             "for, per model.",
             ["model"],
         )
+        # routing capture (docs/TELEMETRY.md): the whole gateway, and per model
+        self.capture_tokens = CounterVec(
+            "gateway_prefix_tokens",
+            "Routing capture of finished requests whose policy consulted an index: the "
+            "longest match on any candidate (available), the match at the chosen worker "
+            "(captured); over those the worker reported cached tokens for, what it reported "
+            "(delivered) and their available tokens (reported_available).",
+            ["kind"],
+        )
+        self.capture_requests = CounterVec(
+            "gateway_prefix_capture_requests",
+            "Finished requests by whether an index was consulted (available known or "
+            "unknown) and whether the worker reported cached tokens.",
+            ["available", "delivered"],
+        )
+        self.model_capture_tokens = CounterVec(
+            "gateway_model_prefix_tokens",
+            "gateway_prefix_tokens per model.",
+            ["model", "kind"],
+        )
+        self.model_capture_requests = CounterVec(
+            "gateway_model_prefix_capture_requests",
+            "gateway_prefix_capture_requests per model.",
+            ["model", "available", "delivered"],
+        )
         families = (
             self.requests, self.duration, self.ttft, self.decisions, self.match_ratio,
             self.prompt_tokens, self.predicted, self.reported, self.reported_prompt, self.retries,
             self.upstream_errors, self.ejections, self.slot_waits, self.model_requests,
             self.model_ttft, self.model_prompt, self.model_cached, self.model_reported_prompt,
+            self.capture_tokens, self.capture_requests, self.model_capture_tokens,
+            self.model_capture_requests,
         )  # fmt: skip
         registry.register(PushCollector(families))
         self.per_worker = [f for f in families if "worker" in f.labelnames]
@@ -236,16 +265,115 @@ class WorkerStats(Tally):
 class ModelStats(Tally):
     """One ``model`` label value's children and figures (``gateway_model_*``)."""
 
-    __slots__ = ("_m", "_ttft", "model")
+    __slots__ = ("_m", "_ttft", "capture", "model")
 
     def __init__(self, model: str, metrics: Metrics) -> None:
         super().__init__(model, metrics.model_tally)
         self.model = model
         self._m = metrics
         self._ttft: HistogramChild | None = None
+        self.capture = Capture(
+            metrics.model_capture_tokens, metrics.model_capture_requests, (model,)
+        )
 
     def observe_ttft(self, ttft_s: float) -> None:
         """One time to first token."""
         if self._ttft is None:
             self._ttft = self._m.model_ttft.labels(self.model)
         self._ttft.observe(ttft_s)
+
+
+CAPTURE_TOKEN_KINDS = ("available", "captured", "delivered", "reported_available")
+
+
+class Capture:
+    """Routing capture over finished requests, for one label value (the gateway's, or one
+    model's): per request *available* (the longest match on any candidate), *captured*
+    (the match at the chosen worker) and *delivered* (the cached tokens the worker
+    reported), summed; the replay's ``routing_capture`` (``loadtests.replay.metrics``,
+    its ``predicted`` way) live.
+
+    Denominators stay honest: tokens are summed only over requests whose policy consulted
+    an index (available known); delivered, and the available tokens it is compared with
+    (``reported_available``), only over those the worker reported cached tokens for. The
+    others are counted apart (``gateway_prefix_capture_requests``). Children appear on
+    first use."""
+
+    __slots__ = (
+        "_by_kind", "_delivered", "_known", "_labels", "_requests", "_tokens",
+        "available_tokens", "captured_tokens", "delivered_tokens", "reported_available_tokens",
+        "reported_requests", "requests", "unindexed_requests",
+    )  # fmt: skip
+
+    def __init__(
+        self, tokens: CounterVec, requests: CounterVec, labels: tuple[str, ...] = ()
+    ) -> None:
+        self._tokens = tokens
+        self._requests = requests
+        self._labels = labels
+        # cached children: requests by (known, reported) as 2 * known + reported; the
+        # token kinds available and captured, then delivered and reported_available
+        self._by_kind: list[CounterChild | None] = [None] * 4
+        self._known: tuple[CounterChild, CounterChild] | None = None
+        self._delivered: tuple[CounterChild, CounterChild] | None = None
+        self.available_tokens = 0
+        self.captured_tokens = 0
+        self.delivered_tokens = 0
+        self.reported_available_tokens = 0
+        self.requests = 0  # available known (an index was consulted)
+        self.reported_requests = 0  # of those, the worker reported cached tokens
+        self.unindexed_requests = 0  # no index consulted: available unknown
+
+    def _count(self, known: bool, reported: bool) -> None:
+        i = 2 * known + reported
+        child = self._by_kind[i]
+        if child is None:
+            values = ("known" if known else "unknown", "reported" if reported else "unreported")
+            child = self._by_kind[i] = self._requests.labels(*self._labels, *values)
+        child.inc()
+
+    def _pair(self, first: str, second: str) -> tuple[CounterChild, CounterChild]:
+        tokens, labels = self._tokens, self._labels
+        return tokens.labels(*labels, first), tokens.labels(*labels, second)
+
+    def add(self, available: int | None, captured: int, delivered: int | None) -> None:
+        """One successful request: ``available`` None when no index was consulted,
+        ``delivered`` None when the worker reported no cached tokens."""
+        self._count(available is not None, delivered is not None)
+        if available is None:
+            self.unindexed_requests += 1
+            return
+        self.requests += 1
+        self.available_tokens += available
+        self.captured_tokens += captured
+        known = self._known
+        if known is None:
+            known = self._known = self._pair("available", "captured")
+        known[0].inc(available)
+        known[1].inc(captured)
+        if delivered is not None:
+            self.reported_requests += 1
+            self.delivered_tokens += delivered
+            self.reported_available_tokens += available
+            pair = self._delivered
+            if pair is None:
+                pair = self._delivered = self._pair("delivered", "reported_available")
+            pair[0].inc(delivered)
+            pair[1].inc(available)
+
+    def summary(self) -> dict[str, float | int | None]:
+        """The sums, the two ratios (None without a denominator; delivered / available
+        is not capped: it can exceed 1) and the requests behind them."""
+        avail, rep_avail = self.available_tokens, self.reported_available_tokens
+        return {
+            "available_tokens": avail,
+            "captured_tokens": self.captured_tokens,
+            "delivered_tokens": self.delivered_tokens,
+            "reported_available_tokens": rep_avail,
+            "captured_over_available": self.captured_tokens / avail if avail else None,
+            "delivered_over_available": self.delivered_tokens / rep_avail if rep_avail else None,
+            "requests": self.requests,
+            "reported_requests": self.reported_requests,
+            "unreported_requests": self.requests - self.reported_requests,
+            "unindexed_requests": self.unindexed_requests,
+        }

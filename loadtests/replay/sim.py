@@ -225,9 +225,8 @@ class Simulation:
         k = self.gw.index(choice.worker)
         lease = self.core.dispatch(route, choice, now, exact)
         true_matches = [sim.true_match(prepared.prompt_key) for sim in self.sims]
-        available = None  # the longest predicted match, when an index was consulted
-        if choice.indexed or exact is not None:
-            available = max((v.matched_tokens for v in choice.views), default=0)
+        # the longest predicted match, None when no index was consulted (the live rule)
+        available = choice.available_tokens
         record = RequestRecord(
             index=req.index, arrival_s=now, worker=choice.worker.id,
             prompt_tokens=prepared.prompt_tokens, output_tokens=req.max_tokens,

@@ -22,7 +22,7 @@ import gateway.app
 import gateway.telemetry.history
 from gateway.config import config_from_dict, merge
 from gateway.http import app_keys
-from gateway.http.debug import add_telemetry_routes
+from gateway.http.debug import add_telemetry_routes, dashboard_data
 from gateway.http.handlers import start_site
 from gateway.routing.decisions import CandidateScore, DecisionLog, DecisionRecord
 from gateway.telemetry.hub import _CURRENT, Telemetry
@@ -152,12 +152,12 @@ def traffic(telemetry: Telemetry, log: DecisionLog, n: int, rng: random.Random) 
         worker = WORKERS[i % 2]
         rt = telemetry.begin_request(f"req-{i}", "/v1/chat/completions", "m")
         matched = rng.choice([0, 64, 128])
+        held = {w: matched if w == worker else 0 for w in WORKERS} | {"w3": 128}  # w3: best
         rec = DecisionRecord(
             time=1.7e9 + i, request_id=f"req-{i}", policy="min_ttft", worker=worker,
             reason="prefix_hit" if matched else "load", prompt_tokens=160,
-            matched_tokens=matched,
-            candidates=tuple(CandidateScore(w, matched if w == worker else 0, 0.01 * i)
-                             for w in WORKERS),
+            matched_tokens=matched, available_tokens=128,
+            candidates=tuple(CandidateScore(w, held[w], 0.01 * i) for w in WORKERS),
         )  # fmt: skip
         log.add(rec)
         rt.decided(rec)
@@ -207,6 +207,16 @@ async def test_dashboard_on_fake_fleet(browser: Browser, tmp_path: Path) -> None
         assert p50.endswith(" ms")
         reasons = await page.locator("#reasons tr[data-reason]").count()
         assert reasons >= 1
+        # routing capture: the two ratios as /dashboard/data has them, with their requests
+        capture = dashboard_data(telemetry, log)["routing_capture"]
+        for card, ratio in (("captured", "captured_over_available"),
+                            ("delivered", "delivered_over_available")):  # fmt: skip
+            shown = await page.inner_text(f"#capture-{card}")
+            assert shown.endswith("%") and abs(float(shown[:-1]) - 100 * capture[ratio]) < 0.06
+        assert await page.inner_text("#capture-captured-n") == "over 30 requests"
+        assert await page.inner_text("#capture-delivered-n") == "over 30 requests"
+        latest = await page.inner_text("#decisions tbody tr:first-child td:nth-child(6)")
+        assert latest.endswith(" / 128 / 160")  # matched / available / prompt
         # a second burst: the request-rate chart draws a line per busy worker
         traffic(telemetry, log, 30, random.Random(4))
         await page.wait_for_function(
@@ -318,6 +328,9 @@ async def test_dashboard_through_gateway_and_simulated_fleet(
                 for wid in ids
             ]
             assert any(h.endswith("%") and h != "0.0%" for h in hits), hits  # reported hit
+            # min_ttft consults the index: both capture ratios are known
+            assert (await page.inner_text("#capture-captured")).endswith("%")
+            assert (await page.inner_text("#capture-delivered")).endswith("%")
             assert await page.locator("#reasons tr[data-reason]").count() >= 1
             await page.screenshot(path=str(tmp_path / "dashboard-gateway.png"), full_page=True)
             assert errors == []

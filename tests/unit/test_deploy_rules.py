@@ -86,6 +86,7 @@ async def _scrape() -> str:
             fleet.urls,
             redis__url=f"redis://127.0.0.1:{free_port()}/0",  # nobody listens: degraded
             outlier__consecutive_5xx=1,
+            policy__shadows=["cache_aware"],  # round_robin's index matched: routing capture
         ) as gw,
         aiohttp.ClientSession() as session,
     ):

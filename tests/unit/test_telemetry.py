@@ -33,6 +33,7 @@ def record(
     return DecisionRecord(
         time=0.0, request_id="r", policy="min_ttft", worker=worker, reason=reason,
         candidates=cands, prompt_tokens=prompt, matched_tokens=matched,
+        available_tokens=matched,  # the longest candidate match (w1's)
     )  # fmt: skip
 
 
