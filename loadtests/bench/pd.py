@@ -40,10 +40,14 @@ ratios to the sglang-router PD arm's; TPOT p50 (per request, (last byte - first 
 usage (Σ cached / Σ prompt tokens; on PD the decode reports the prefill's hit, docs/PD.md
 section 4) and, as a cross-check, from the prefill workers' own counters (every worker's
 on the regular fleet); completed requests per second (first send to last answer);
-requests per prefill and per decode worker; failures; the machine's 1-minute load.
+requests per prefill and per decode worker; the router process's CPU time per request
+(user + system, during the run: this gateway is Python, sglang-router Rust, and the
+machine is shared); failures; the machine's 1-minute load.
 
 Output in ``--results`` (default ``results/bench-pd-<UTC time>/``): ``report.md``,
-``results.json`` and the routers' and workers' logs.
+``results.json``, every request's outcome per arm and round
+(``<arm>-<round>-outcomes.json``: sent time, status, TTFT, latency, usage) and the
+routers' and workers' logs.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -70,7 +75,7 @@ from loadtests.bench.report import ContenderResult, merge
 from loadtests.bench.workers import WorkerDelta, deltas, flush_all, read_all
 from loadtests.harness.gateway_proc import ROUTER_MODULES
 from loadtests.harness.ports import free_port, free_port_range
-from loadtests.harness.procs import NotReady, http_get, running, wait_until
+from loadtests.harness.procs import NotReady, cpu_seconds, http_get, running, wait_until
 from loadtests.harness.sim_fleet import run_sim_fleet
 from loadtests.harness.stats import percentile
 from loadtests.workloads import create_workload
@@ -134,6 +139,7 @@ class ArmResult:
     result: ContenderResult
     decode: list[WorkerDelta] = field(default_factory=list)
     per_round: list[tuple[float, float]] = field(default_factory=list)  # TTFT p50, p99 (s)
+    router_cpu_s: float = 0.0  # the router process's CPU seconds, every round
 
 
 def router_command(arm: Arm, fleets: Fleets, port: int) -> list[str]:
@@ -170,8 +176,10 @@ def _ready(url: str, workers: int) -> bool:
 
 
 @contextlib.contextmanager
-def run_router(arm: Arm, fleets: Fleets, log: Path, timeout_s: float = 30.0) -> Iterator[str]:
-    """Start the arm's router, yield its URL once ready, stop it by PID."""
+def run_router(
+    arm: Arm, fleets: Fleets, log: Path, timeout_s: float = 30.0
+) -> Iterator[tuple[str, int]]:
+    """Start the arm's router, yield its URL and PID once ready, stop it by PID."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +189,7 @@ def run_router(arm: Arm, fleets: Fleets, log: Path, timeout_s: float = 30.0) -> 
         except NotReady:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
             raise RuntimeError(f"{arm.spec} did not become ready:\n{tail}") from None
-        yield url
+        yield url, proc.pid
 
 
 def bootstrap_port(url: str) -> int:
@@ -202,19 +210,30 @@ async def _measure(
     return outcomes, wall, deltas(urls, before, after)
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One run of one arm: the result (its workers: the prefill side's counters), the
+    decode workers' counters (PD) and the router process's CPU seconds during the run."""
+
+    result: ContenderResult
+    decode: list[WorkerDelta]
+    router_cpu_s: float
+
+
 def run_arm(
     arm: Arm, fleets: Fleets, items: Sequence[ReplayItem], args: argparse.Namespace, log: Path
-) -> tuple[ContenderResult, list[WorkerDelta]]:
-    """One run of one arm: (the result with the prefill side's counters, the decodes')."""
+) -> Run:
     urls = fleets.of(arm)
-    with run_router(arm, fleets, log) as url:
+    with run_router(arm, fleets, log) as (url, pid):
+        cpu = cpu_seconds(pid)
         outcomes, wall, counted = asyncio.run(_measure(items, url, urls, args))
+        cpu = cpu_seconds(pid) - cpu
     split = len(fleets.prefill) if arm.fleet == "pd" else len(urls)
     result = ContenderResult(
         args.workload, arm.spec, outcomes, wall, counted[:split], args.speed,
         load_1m=os.getloadavg()[0],
     )  # fmt: skip
-    return result, counted[split:]
+    return Run(result, counted[split:], cpu)
 
 
 def _pool(decodes: Sequence[Sequence[WorkerDelta]]) -> list[WorkerDelta]:
@@ -278,20 +297,22 @@ def orchestrate(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     items = prepare(workload, args.speed, args.max_output_tokens)
     model_dir = tempfile.mkdtemp(prefix="bench_pd_model_")
     load_before = os.getloadavg()[0]
-    runs: dict[str, list[tuple[ContenderResult, list[WorkerDelta]]]] = {}
+    runs: dict[str, list[Run]] = {}
     try:
         with start_fleets(args, log_dir, model_dir, {a.fleet for a in arms}) as fleets:
             for k in range(args.rounds):
                 for arm in arms if k % 2 == 0 else arms[::-1]:
                     print(f"[bench-pd] round {k + 1}: {arm.spec} ...", file=sys.stderr, flush=True)
-                    log = log_dir / f"{arm.spec.replace(':', '-').replace('/', '-')}-{k + 1}.log"
+                    slug = f"{arm.spec.replace(':', '-').replace('/', '-')}-{k + 1}"
                     try:
-                        result = run_arm(arm, fleets, items, args, log)
+                        result = run_arm(arm, fleets, items, args, log_dir / f"{slug}.log")
                     except RuntimeError as exc:
                         notes.append(f"{arm.spec} did not run: {exc}"[:400])
                         continue
                     runs.setdefault(arm.spec, []).append(result)
-                    r = result[0]
+                    r = result.result
+                    rows = [dataclasses.asdict(o) for o in r.outcomes]
+                    (out_dir / f"{slug}-outcomes.json").write_text(json.dumps(rows) + "\n")
                     print(
                         f"[bench-pd]   ok {r.ok}/{r.sent}, hit {r.reported_fraction:.3f}, "
                         f"TTFT p99 {percentile(r.ttfts, 99, 'nearest') * 1e3:.0f} ms, "
@@ -303,9 +324,10 @@ def orchestrate(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     results = [
         ArmResult(
             a,
-            merge([r for r, _ in runs[a.spec]]),
-            _pool([d for _, d in runs[a.spec]]),
-            [_p50_p99(r.ttfts) for r, _ in runs[a.spec]],
+            merge([r.result for r in runs[a.spec]]),
+            _pool([r.decode for r in runs[a.spec]]),
+            [_p50_p99(r.result.ttfts) for r in runs[a.spec]],
+            sum(r.router_cpu_s for r in runs[a.spec]),
         )
         for a in arms
         if a.spec in runs
@@ -324,6 +346,7 @@ def orchestrate(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         "notes": notes,
         "arms": [
             {**r.result.summary(), "arm": r.arm.spec, "per_round_ttft_p50_p99_s": r.per_round,
+             "router_cpu_s": r.router_cpu_s,
              "decode_requests": {d.url: d.requests for d in r.decode}}
             for r in results
         ],
@@ -376,9 +399,9 @@ def render(setup: str, results: Sequence[ArmResult], notes: Sequence[str]) -> st
         "",
         "| arm | ok / sent | failed | TTFT p50 / p99 ms | per round "
         "| p50 / p99 ÷ sglang-router PD | prefill-side hit (usage) | hit (workers' counters) "
-        "| TPOT p50 ms | req/s | requests per prefill (per worker when regular) "
-        "| requests per decode | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT p50 ms | req/s | router CPU ms / request | requests per prefill (per worker "
+        "when regular) | requests per decode | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for item in results:
         r = item.result
@@ -391,6 +414,7 @@ def render(setup: str, results: Sequence[ArmResult], notes: Sequence[str]) -> st
             f"{_ms(t99)} | {rounds} | {_ratio(t50, ref_q[0])} / {_ratio(t99, ref_q[1])} | "
             f"{r.reported_fraction:.3f} | {r.cached_fraction:.3f} | "
             f"{_ms(percentile(tpots(r.outcomes), 50, 'nearest'))} | {r.throughput:.2f} | "
+            f"{item.router_cpu_s / max(1, r.sent) * 1e3:.1f} | "
             f"{per} | {dec} | {r.load_1m:.1f} |"
         )
     errors = [f"- {i.arm.spec}: {e}" for i in results for e in i.result.summary()["errors"]]
