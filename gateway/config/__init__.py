@@ -168,6 +168,20 @@ class PrefixIndexConfig:
     slot_wait_s: float = 2.0
 
 
+# Headers the ecosystem sends as a session / affinity key, lower case, the first present
+# wins (each checked in its source; config/gateway.yaml and README name the files):
+ROUTING_KEY_HEADERS: tuple[str, ...] = (
+    "x-session-id",  # llm-d's session-affinity default; OpenCode's (read by Dynamo)
+    "x-smg-routing-key",  # SGLang Model Gateway (sglang-router's successor)
+    "x-dynamo-session-id",  # Dynamo's own; aiperf sends it on request
+    "x-session-affinity",  # aiperf's default since PR 1312; OpenCode's (read by llm-d)
+    "x-claude-code-session-id",  # Claude Code (read by Dynamo and llm-d)
+    "thread-id",  # Codex's thread (read by Dynamo)
+    "session-id",  # Codex >= 0.131 (read by llm-d)
+    "x-deepseek-harness-session-id",  # DeepSeek's harness (read by Dynamo)
+)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestConfig:
     # The prior of characters per token, until the workers' usage.prompt_tokens teach the
@@ -178,7 +192,7 @@ class RequestConfig:
     # coarse enough that a 512k-character prompt hashes in well under 2 ms.
     block_chars: int = 64
     # Headers carrying a session / routing key (lower case), checked in order.
-    routing_key_headers: tuple[str, ...] = ("x-session-id", "x-smg-routing-key")
+    routing_key_headers: tuple[str, ...] = ROUTING_KEY_HEADERS
     routing_key_from_user: bool = True  # the OpenAI `user` field is a routing key too
 
 

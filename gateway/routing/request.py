@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 from xxhash import xxh3_64_hexdigest
 
+from gateway.config import ROUTING_KEY_HEADERS
 from gateway.routing.hashing import block_hashes, seed_for
 
 # Separators that do not occur in ordinary text: each closes a field or a message, so a
@@ -82,7 +83,7 @@ DP_RANK_KEYS = ("routed_dp_rank", "data_parallel_rank")
 class RequestSettings:
     chars_per_token: float = 4.0
     block_chars: int = 64
-    routing_key_headers: tuple[str, ...] = ("x-session-id", "x-smg-routing-key")  # lower-case
+    routing_key_headers: tuple[str, ...] = ROUTING_KEY_HEADERS  # lower case, first wins
     routing_key_from_user: bool = True
 
 
