@@ -459,7 +459,7 @@ class Router:
             if drain is not None and not drain.done():
                 drain.cancel()  # the prefill answers before the decode's first token:
                 # one still unread at the end is cut
-            elif drain is None and p_up is not None:
+            if p_up is not None:  # (by this: a drain cancelled before it ran closes nothing)
                 p_up.release()
             if d_up is not None:
                 d_up.release()

@@ -372,3 +372,25 @@ async def test_exact_mode_on_a_rank_blind_dp_worker_predicts_its_hits() -> None:
             await until(lambda: manager.index.blocks(wid) > 0, "its first blocks stored")
         # the context is held by some rank from the first request on: predicted since
         assert max(reported) > 0 and matched[1:] == [max(reported)] * 3, (matched, reported)
+
+
+async def test_a_decode_refusal_closes_the_waiting_prefill(scripted: StartWorker) -> None:
+    """The decode refuses the request at once (a whole 4xx, relayed) while the prefill,
+    its head sent, waits for a decode that will never connect (SGLang: up to its
+    bootstrap timeout, 300 s). The task draining the prefill was cancelled before it
+    ever ran (the decode's answer was read without a wait), so its ``finally`` never
+    closed the prefill's connection: it stayed open, unaborted, until the deadline."""
+    closed, end = asyncio.Event(), asyncio.Event()
+    prefill = await scripted(_held(closed, True, end))
+    prefill.probe_answer = info(disaggregation_mode="prefill")
+    refusal = b'{"error":{"message":"bad","code":400}}'
+    decode = await scripted(replies(http_response(refusal, "400 Bad Request")))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    try:
+        async with pd_gateway([prefill], [decode]) as gw:
+            status, body = await post(gw, "/v1/chat/completions", {**CHAT, "stream": True})
+            assert status == 400 and body == refusal
+            await asyncio.wait_for(closed.wait(), 3)  # SGLang aborts on the disconnect
+            await until(lambda: idle(gw), "leases returned")
+    finally:
+        end.set()
