@@ -45,8 +45,9 @@ like ``on_split``. Transfer times are modelled, not slept: a load's seconds are 
 worker's to charge (:meth:`record_load`), a write-back stall accumulates in
 :meth:`take_stall_s`; ``on_transfer`` (when set) is told of each copy for histograms.
 
-This module is over 400 lines because the tree's tier moves belong together; the settings
-and the link are in :mod:`simulator.model.hicache`.
+:class:`HiRadixCache` is over 400 lines: every move between the tiers changes the same
+counters, heaps and events, so they stay in one class; the settings and the link are in
+:mod:`simulator.model.hicache`.
 """
 
 from __future__ import annotations
