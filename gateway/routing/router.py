@@ -415,12 +415,12 @@ class Router:
             if refused is not None:
                 p_up = None  # read whole and released
                 self._abort(dw, rid, d_up)
-                return refused
                 record.outcome = DecisionOutcome(
                     status=refused.status,
                     retries=call.attempt,
                     duration_s=time.perf_counter() - call.started,
                 )
+                return refused
             self._outlier.record(pw.server, OUTCOME_SUCCESS)
             drain = asyncio.create_task(_read_prefill(p_up))
             transform = None
