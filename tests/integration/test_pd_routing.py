@@ -142,7 +142,7 @@ async def test_a_dead_side_before_the_first_byte_is_retried_on_a_new_pair(
 async def test_a_request_the_prefill_refuses_is_answered_with_its_error(
     client: ClientSession,
 ) -> None:
-    async with _pd_fleet(1, 1) as (pf, df, gw):
+    async with _pd_fleet(1, 1) as (_, _, gw):
         bad = {"model": "m", "messages": _messages("x"), "max_tokens": 10**7}  # > context
         async with client.post(gw.url + "/v1/chat/completions", json=bad) as resp:
             assert resp.status == 400, await resp.text()
