@@ -24,9 +24,11 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.replay.workers import ModelWorker
 from simulator.fleet import SimConfig, SimulatedFleet, SimulatedWorker
 from simulator.http.kv_publisher import END_SEQ, digest_to_hash
 from simulator.model.hiradix_cache import HiRadixCache
+from simulator.model.radix_cache import encode_tokens
 
 KV_CONFIG = (
     '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*",'
@@ -280,3 +282,26 @@ async def test_without_the_flag_nothing_of_the_tier_appears(
         body = {"model": "m", "prompt": A, "max_tokens": 2, "return_cached_tokens_details": True}
         assert "sglext" not in orjson.loads(await _post(client, url, "/v1/completions", body))
         assert _worker(fleet).engine.tiered is None
+
+
+async def test_a_replay_worker_reports_what_the_live_worker_reports(
+    hicache_fleet: SimulatedFleet, client: aiohttp.ClientSession
+) -> None:
+    """The offline replay's worker, built from the same SimConfig, reports the same cached
+    tokens as the live HTTP worker for the same requests one at a time (host hits
+    included): HiCache on or off is a setting of the replay like any other."""
+    url = hicache_fleet.urls[0]
+    replay = ModelWorker(_config(enable_hierarchical_cache=True))
+    C = A[:1000] + list(range(9001, 10_001))
+    sequence = [A, B, A, C, B, A, C]
+    live = [(await _generate(client, url, ids))["cached_tokens"] for ids in sequence]
+    offline = []
+    now = 0.0
+    for i, ids in enumerate(sequence):
+        replay.submit(f"r{i}", encode_tokens(ids), 2, now)
+        while (stepped := replay.step(now)) is not None:
+            now += stepped[0]
+            offline += [o.cached_tokens for o in stepped[1] if o.finished]
+    assert live == offline
+    assert live[2] == 1984 and min(live[1:]) < 1984  # A back from the host; a partial hit
+    assert replay.model.tiered is not None and replay.model.tiered.counters.load_tokens > 0
