@@ -21,7 +21,9 @@ Contract:
   ``Connection`` header lists), minus the body's encoding (aiohttp decoded the body the
   gateway forwards) and ``Accept-Encoding`` (an encoded event stream could not be cut
   into events), minus the request id and content type (the gateway sets its own), minus
-  ``drop``.
+  the headers by which SGLang lets its router override the body's members (every
+  ``x-override-*``: the rid, the bootstrap room, host and port, the DP ranks, the
+  priority; and ``X-Data-Parallel-Rank``: the gateway is that router), minus ``drop``.
 
 Cost: a regular-expression match per target; a few dictionary looks per header.
 """
@@ -62,7 +64,9 @@ _NOT_FORWARDED = HOP_BY_HOP | {
     "accept-encoding",
     "x-request-id",
     "content-type",
+    "x-data-parallel-rank",  # SGLang's DP rank, over the body's
 }
+_OVERRIDE = "x-override-"  # SGLang's request_headers: each overrides a body member
 _SEGMENTS = re.compile(r"(?:/[A-Za-z0-9._~-]+)+")
 _DOT_SEGMENT = re.compile(r"/\.\.?(?:/|$)")
 
@@ -125,5 +129,8 @@ def forwarded_headers(
     return [
         (key, value)
         for key, value in items
-        if (name := key.lower()) not in _NOT_FORWARDED and name not in drop and name not in listed
+        if (name := key.lower()) not in _NOT_FORWARDED
+        and name not in drop
+        and name not in listed
+        and not name.startswith(_OVERRIDE)
     ]

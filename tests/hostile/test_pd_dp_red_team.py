@@ -394,3 +394,53 @@ async def test_a_decode_refusal_closes_the_waiting_prefill(scripted: StartWorker
             await until(lambda: idle(gw), "leases returned")
     finally:
         end.set()
+
+
+# --- what a client may not set: SGLang's routing members and override headers ----------
+
+# SGLang 0.5.23 (``entrypoints/request_headers.py``, ``serving_base``): these request
+# headers override the body's members, for "upstream callers" (the router: us)
+OVERRIDES = {
+    "x-override-rid": "mine",
+    "X-Override-Bootstrap-Host": "169.254.169.254",
+    "x-override-bootstrap-port": "80",
+    "x-override-bootstrap-room": "5",
+    "x-override-routed-dp-rank": "3",
+    "x-override-disagg-prefill-dp-rank": "2",
+    "x-override-priority": "100",
+    "x-override-conversation-id": "c",
+    "X-Data-Parallel-Rank": "3",
+}
+
+
+def _no_overrides(exchange: Exchange) -> bool:
+    return not any(k.startswith("x-override-") or k == "x-data-parallel-rank"
+                   for k, _ in exchange.headers)  # fmt: skip
+
+
+async def test_sglang_override_headers_never_reach_a_worker(scripted: StartWorker) -> None:
+    """The client's headers are forwarded, and SGLang lets ``x-override-*`` headers and
+    ``X-Data-Parallel-Rank`` win over the body: a client set the worker's rid (the
+    gateway's aborts then named a rid the worker did not know), its DP rank, its
+    priority, and in PD mode the bootstrap room, host and port, sending the decode
+    server to fetch its KV from any host it named (169.254.169.254: the metadata
+    service)."""
+    prefill = await scripted(replies(http_response(DECODED)))
+    prefill.probe_answer = info(disaggregation_mode="prefill")
+    decode = await scripted(replies(http_response(DECODED)))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    async with aiohttp.ClientSession() as session:
+        async with pd_gateway([prefill], [decode]) as gw:
+            for path, body in (("/generate", {"text": "hi"}), ("/v1/chat/completions", CHAT)):
+                async with session.post(gw.url + path, json=body, headers=OVERRIDES) as resp:
+                    assert resp.status == 200, await resp.text()
+        worker = await scripted(replies(http_response(DECODED)))
+        worker.probe_answer = info(dp_size=2, version="0.5.23")
+        async with run_gateway([worker.url], worker_kind="sglang") as gw:
+            await until(lambda: bool(gw.registry.find(worker.url).ranks), "its ranks")  # type: ignore[union-attr]
+            async with session.post(
+                gw.url + "/v1/chat/completions", json=CHAT, headers=OVERRIDES
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+    sent = [*prefill.inference, *decode.inference, *worker.inference]
+    assert len(sent) == 5 and all(_no_overrides(e) for e in sent), sent[0].headers
