@@ -10,8 +10,9 @@ Contract:
   too: SGLang expands it to ``room + i`` per item on both servers alike
   (``GenerateReqInput._normalize_bootstrap_params``), so the room is drawn below
   ``2**63 - 2**32``; for a prefill's DP rank, a room of that rank (:func:`new_room`).
-  The client's own bootstrap fields, rid and DP rank members are replaced (a client
-  cannot pick another request's room). The same body goes to both.
+  The client's own bootstrap fields, rid and DP rank members (``disagg_prefill_dp_rank``
+  too) are replaced (a client cannot pick another request's room). The same body goes
+  to both.
 - :func:`wants_input_logprobs`: the request asks for input logprobs that only the prefill
   computes (``/generate`` with ``return_logprob``; the OpenAI routes carry none in their
   answers, so nothing is merged there, as sglang-router).
@@ -38,6 +39,9 @@ from gateway.forward.sse import parse
 from gateway.routing.request import DP_RANK_KEYS, ApiKind
 
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+# SGLang's hint naming the prefill rank that holds the KV (0.5.23): the client's would
+# send the decode elsewhere, both sides then waiting for each other up to their timeouts
+PREFILL_RANK_KEY = "disagg_prefill_dp_rank"
 _ROOM_BOUND = (1 << 63) - (1 << 32)  # room + i stays a 63-bit integer for any batch
 
 
@@ -74,7 +78,8 @@ def pair_body(
         "bootstrap_room": room,
         **extra,
     }
-    return body_with_members(body, members, rewrite=True, drop=(*BOOTSTRAP_KEYS, *DP_RANK_KEYS))
+    drop = (*BOOTSTRAP_KEYS, PREFILL_RANK_KEY, *DP_RANK_KEYS)
+    return body_with_members(body, members, rewrite=True, drop=drop)
 
 
 def wants_input_logprobs(kind: ApiKind, body: bytes) -> bool:

@@ -444,3 +444,35 @@ async def test_sglang_override_headers_never_reach_a_worker(scripted: StartWorke
                 assert resp.status == 200, await resp.text()
     sent = [*prefill.inference, *decode.inference, *worker.inference]
     assert len(sent) == 5 and all(_no_overrides(e) for e in sent), sent[0].headers
+
+
+async def test_a_pair_body_carries_none_of_the_clients_routing_members(
+    scripted: StartWorker,
+) -> None:
+    """The pair's body replaced the client's bootstrap fields, rid and DP ranks (escaped
+    and duplicated keys included: held), but kept its ``disagg_prefill_dp_rank``, which
+    tells SGLang's decode which prefill rank holds the KV (and spares the prefill its
+    rank check): a wrong one left both servers waiting for each other, the prefill
+    holding the prompt's KV, up to their 300 s timeouts."""
+    prefill = await scripted(replies(http_response(DECODED)))
+    prefill.probe_answer = info(disaggregation_mode="prefill", dp_size=2, version="0.5.23")
+    decode = await scripted(replies(http_response(DECODED)))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    body = (
+        b'{"text":"hi","bootstrap_room":1,"bootstrap_room":2,"\\u0062ootstrap_host":"evil",'
+        b'"bootstrap_port":1,"rid":"mine","\\u0072id":"mine2","routed_dp_rank":1,'
+        b'"data_parallel_rank":1,"disagg\\u005fprefill_dp_rank":1,"disagg_prefill_dp_rank":1}'
+    )
+    async with pd_gateway([prefill], [decode]) as gw:
+        for _ in range(2):
+            status, answer = await post(gw, "/generate", body)
+            assert status == 200, answer
+    for exchange in [*prefill.inference, *decode.inference]:
+        sent = orjson.loads(exchange.body)
+        assert b"disagg_prefill_dp_rank" not in exchange.body and "data_parallel_rank" not in sent
+        assert sent["bootstrap_host"] == "127.0.0.1" and sent["bootstrap_port"] == 8998
+        assert sent["bootstrap_room"] > 2 and sent["rid"] not in ("mine", "mine2")
+        assert exchange.body.count(b'"rid"') == 1 and exchange.body.count(b"bootstrap_room") == 1
+    rooms = [orjson.loads(e.body)["bootstrap_room"] for e in prefill.inference]
+    assert rooms == [orjson.loads(e.body)["bootstrap_room"] for e in decode.inference]
+    assert [orjson.loads(e.body).get("routed_dp_rank") for e in decode.inference] == [None] * 2
