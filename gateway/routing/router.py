@@ -247,7 +247,10 @@ class Router:
                     record.decode = (d.worker_id, d.reason, decode.policy.name)
                 self.decisions.add(record)
                 self.hooks.decided(record)
-                final = attempt == self._max_attempts - 1 or len(workers) == 1
+                # the last try: attempts spent, or no other worker (PD: of either pool)
+                final = attempt == self._max_attempts - 1 or (
+                    len(workers) == 1 and (decode is None or len(decode.views) == 1)
+                )
                 call.attempt = attempt
                 try:
                     if lora_path is not None and adapter not in worker.adapters:

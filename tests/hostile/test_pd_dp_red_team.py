@@ -476,3 +476,29 @@ async def test_a_pair_body_carries_none_of_the_clients_routing_members(
     rooms = [orjson.loads(e.body)["bootstrap_room"] for e in prefill.inference]
     assert rooms == [orjson.loads(e.body)["bootstrap_room"] for e in decode.inference]
     assert [orjson.loads(e.body).get("routed_dp_rank") for e in decode.inference] == [None] * 2
+
+
+# --- retries of a pair -------------------------------------------------------------------
+
+
+async def test_a_failing_decode_is_retried_on_another_with_a_single_prefill(
+    scripted: StartWorker,
+) -> None:
+    """With one prefill worker every attempt counted as the last (``final``: one
+    candidate, the prefill pool's), so a decode answering 503 was relayed to the client
+    although another decode was there; the retry takes a new room and rid."""
+    prefill = await scripted(replies(http_response(DECODED)))
+    prefill.probe_answer = info(disaggregation_mode="prefill")
+    busy = await scripted(replies(http_response(b'{"error":"busy"}', "503 Unavailable")))
+    busy.probe_answer = info(disaggregation_mode="decode")
+    fine = await scripted(replies(http_response(DECODED)))
+    fine.probe_answer = info(disaggregation_mode="decode")
+    async with pd_gateway([prefill], [busy, fine], pd__decode_policy="round_robin") as gw:
+        for i in range(4):
+            status, body = await post(gw, "/generate", {"text": f"hi {i}"})
+            assert status == 200, body
+        assert busy.posts >= 1
+        await until(lambda: idle(gw), "leases returned")
+    sent = [orjson.loads(e.body) for e in prefill.inference]
+    assert len({s["bootstrap_room"] for s in sent}) == len(sent) == 4 + busy.posts
+    assert len({s["rid"] for s in sent}) == len(sent)
