@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 import time
@@ -180,6 +181,11 @@ def router_args(router: str) -> list[str]:
     ]  # fmt: skip
 
 
+def target_slug(target: str) -> str:
+    """The target's name in file names (its router's log: ``<results>/<slug>.log``)."""
+    return "".join(c if c.isalnum() or c in "._" else "-" for c in target)
+
+
 def parse_target(target: str) -> tuple[str, str, list[str]]:
     """``router:policy[+FLAG...]`` → (router, policy, extra flags)."""
     router, _, spec = target.partition(":")
@@ -198,7 +204,7 @@ def run_target(
     log_dir: Path,
 ) -> TargetResult:
     router, policy, flags = parse_target(target)
-    slug = "".join(c if c.isalnum() or c in "._" else "-" for c in target)
+    slug = target_slug(target)
     items = [r.item for r in requests]
     with contextlib.ExitStack() as stack:
         fleets = [
@@ -385,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 r = run_target(target, requests, outputs, settings, args, log_dir)
             except RuntimeError as exc:
-                failed[target] = _why(str(exc))
+                failed[target] = _why(log_dir / f"{target_slug(target)}.log", str(exc))
                 print(f"[models] {target} did not run: {exc}"[:1500], file=sys.stderr, flush=True)
                 continue
             runs.setdefault(target, []).append(r)
@@ -409,15 +415,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _why(message: str) -> str:
-    """The line of a router's start-up failure that says why (its log's tail)."""
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    for needle in ("panicked", "Failed", "error", "Error"):
+def _why(log: Path, message: str) -> str:
+    """Why a router did not start: its log's panic or error line (a Rust panic's message
+    is on the line after ``panicked at``), else the first line of ``message``."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    for needle in ("panicked at", "Error:", "ERROR"):
         for i, ln in enumerate(lines):
             if needle in ln:
-                tail = lines[i + 1] if needle == "panicked" and i + 1 < len(lines) else ""
-                return f"{ln} {tail}".strip().replace("|", "/")[:300]
-    return (lines[0] if lines else "unknown")[:300]
+                found = lines[i + 1] if needle == "panicked at" and i + 1 < len(lines) else ln
+                return found.replace("|", "/")[:300]
+    first = message.strip().splitlines()
+    return (first[0] if first else "unknown").replace("|", "/")[:300]
 
 
 if __name__ == "__main__":
