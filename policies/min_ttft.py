@@ -215,7 +215,15 @@ class MinTtftPolicy(Policy):
 
     def estimate(self, worker: WorkerView, prompt_tokens: int) -> tuple[float, float]:
         """(estimated TTFT, this request's own prefill time) on ``worker``, in seconds."""
-        c = _Costs.of(worker.cost)
+        # ``_Costs.of`` inlined: this runs for every candidate of every decision, and a
+        # frozen dataclass per candidate cost more than the arithmetic (BENCHMARKS.md,
+        # "Scale")
+        cost = worker.cost
+        per_token = cost.prefill_per_token_s
+        per_token = DEFAULT_PER_TOKEN_S if per_token is None else per_token
+        fixed = DEFAULT_FIXED_S if cost.prefill_fixed_s is None else cost.prefill_fixed_s
+        pair = DEFAULT_PAIR_S if cost.prefill_pair_s is None else cost.prefill_pair_s
+        step = DEFAULT_DECODE_STEP_S if cost.decode_step_s is None else cost.decode_step_s
         engine = worker.engine_load
         queued_tokens = worker.queued_prefill_tokens
         waiting = max(0, worker.in_flight - worker.decoding_requests)
@@ -224,11 +232,11 @@ class MinTtftPolicy(Policy):
             queued_tokens = max(queued_tokens, engine.waiting_uncached_tokens or 0)
             waiting = max(waiting, engine.waiting_requests)
             decoding = max(decoding, engine.running_requests)
-        queue_s = waiting * c.fixed + max(0, queued_tokens) * c.per_token
-        decode_s = c.decode_step + decoding * self._decode_request_s if decoding > 0 else 0.0
+        queue_s = waiting * fixed + max(0, queued_tokens) * per_token
+        decode_s = step + decoding * self._decode_request_s if decoding > 0 else 0.0
         matched = max(0, min(worker.matched_tokens, prompt_tokens))
         uncached = max(1, prompt_tokens - matched)  # the engine always computes >= 1 token
-        prefill_s = c.fixed + c.per_token * uncached + c.pair * uncached * (matched + uncached / 2)
+        prefill_s = fixed + per_token * uncached + pair * uncached * (matched + uncached / 2)
         return queue_s + decode_s + worker.setup_s + prefill_s, prefill_s
 
     def select(self, ctx: RouteContext) -> Decision:

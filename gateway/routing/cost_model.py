@@ -76,6 +76,9 @@ class CostModel:
         self._clamp_ratio = clamp_ratio
         self._max_fixed_s = max_fixed_s
         self._fits: dict[str, _Fit] = {}
+        # each calibrated worker's cost as last fitted: ``cost`` is read for every
+        # candidate of every decision, ``observe`` once per response
+        self._costs: dict[str, WorkerCost] = {}
 
     @property
     def default(self) -> WorkerCost:
@@ -103,6 +106,13 @@ class CostModel:
         fit.scale += 0.05 * (min(abs(residual), 4.0 * fit.scale + 1e-3) - fit.scale)
         self._rls_update(fit, x, residual)
         fit.n += 1
+        if fit.n >= self._min_observations:
+            self._costs[worker_id] = WorkerCost(
+                prefill_per_token_s=fit.b / _KTOK,
+                prefill_fixed_s=fit.a,
+                decode_step_s=self._default.decode_step_s,
+                prefill_pair_s=self._default.prefill_pair_s,
+            )
 
     def _rls_update(self, fit: _Fit, x: float, residual: float) -> None:
         lam = self._forgetting
@@ -130,15 +140,8 @@ class CostModel:
         fit.b = min(max(fit.b, per_token / self._clamp_ratio), per_token * self._clamp_ratio)
 
     def cost(self, worker_id: str) -> WorkerCost:
-        fit = self._fits.get(worker_id)
-        if fit is None or fit.n < self._min_observations:
-            return self._default
-        return WorkerCost(
-            prefill_per_token_s=fit.b / _KTOK,
-            prefill_fixed_s=fit.a,
-            decode_step_s=self._default.decode_step_s,
-            prefill_pair_s=self._default.prefill_pair_s,
-        )
+        """The worker's fitted cost; the defaults until it is calibrated."""
+        return self._costs.get(worker_id, self._default)
 
     def calibrated(self, worker_id: str) -> bool:
         """Whether ``cost(worker_id)`` is fitted to the worker (else it is the default)."""
@@ -151,6 +154,7 @@ class CostModel:
 
     def forget_worker(self, worker_id: str) -> None:
         self._fits.pop(worker_id, None)
+        self._costs.pop(worker_id, None)
 
     def _fixed_default(self) -> float:
         return _or(self._default.prefill_fixed_s, 0.0)

@@ -3,8 +3,13 @@
 Structure (after llm-d's approximate prefix indexer):
 - a flat map ``block hash → bitmask of workers`` believed to hold that block (each worker
   owns one bit; a bit is reused after the worker is forgotten);
-- per worker, an LRU of its block hashes (``OrderedDict``: front = least recently used,
-  value = time of last touch) bounded by the worker's capacity in blocks.
+- per worker, an LRU of its block hashes (a plain ``dict`` in insertion order: front =
+  least recently used, value = time of last touch; a touch re-inserts at the end)
+  bounded by the worker's capacity in blocks. Not an ``OrderedDict``: the garbage
+  collector never tracks a plain dict of numbers, but walks every entry of an
+  ``OrderedDict`` on each full collection; with 256 full workers (6.7 million blocks)
+  that paused the event loop for 0.6-3 s, several times a minute under load
+  (BENCHMARKS.md, "Scale").
 Blocks are chained hashes (``gateway.routing.hashing``): a hit on block ``i`` implies the prefix.
 
 Memory is bounded whatever the traffic: every block entry belongs to some worker's LRU,
@@ -94,6 +99,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import islice, takewhile
 
 # Bytes per indexed block for one holder (map entry + LRU entry + int key), measured by
 # ``python -m loadtests.micro.index`` with tracemalloc; see BENCHMARKS.md.
@@ -136,7 +142,9 @@ class _WorkerBlocks:
     capacity: int  # blocks
     block_tokens: float  # the worker's engine tokens per block (``set_block_tokens``)
     capacity_tokens: int | None = None  # as the worker told (``set_capacity``)
-    lru: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    # a plain dict, insertion order = recency (module docstring: never tracked by the
+    # garbage collector, unlike an OrderedDict)
+    lru: dict[int, float] = field(default_factory=dict)
     # first newly inserted block of each recent recording -> time (see ``correct``)
     fresh: OrderedDict[int, float] = field(default_factory=OrderedDict)
     predicted_tokens: int = 0
@@ -324,16 +332,13 @@ class PrefixIndex:
             state.inflight_by_leaf.setdefault(block_hashes[-1], []).append(self._seq)
             self._expire_pins(state, t)
         else:
-            # Deepest block first, so block 0 ends up the most recently used. A plain
-            # loop: measured faster than OrderedDict.update + move_to_end driven from C.
+            # Deepest block first, so block 0 ends up the most recently used; a touch
+            # moves a block to the end (pop, then insert).
             for h in reversed(block_hashes):
-                if h in lru:
-                    lru.move_to_end(h)
-                    lru[h] = t
-                else:
-                    lru[h] = t
+                if lru.pop(h, None) is None:
                     holders[h] = holders.get(h, 0) | bit
                     first_new = h
+                lru[h] = t
         if first_new is not None:
             # where this prompt starts adding to the worker: a sibling routed there while
             # this one is still in prefill will report a cache miss from here on
@@ -391,9 +396,11 @@ class PrefixIndex:
         # the engine cannot lock more than its pool: release the oldest recordings first
         while len(pins) > state.capacity and inflight:
             self._release(state, next(iter(inflight)), None)
-        while lru and len(lru) + len(pins) > state.capacity:
-            h, _ = lru.popitem(last=False)
-            self._clear(h, state.bit)
+        excess = len(lru) + len(pins) - state.capacity
+        if excess > 0:  # the least recently used, in one pass from the front
+            for h in list(islice(lru, excess)):
+                del lru[h]
+                self._clear(h, state.bit)
 
     def _release(self, state: _WorkerBlocks, seq: int, now: float | None) -> None:
         """Unpin one in-flight recording: its blocks held by no other in-flight recording
@@ -517,11 +524,13 @@ class PrefixIndex:
         for state in self._workers.values():
             self._expire_pins(state, now)
             lru = state.lru
-            while lru and next(iter(lru.values())) < horizon:
-                h, _ = lru.popitem(last=False)
+            # from the front, up to the first block touched since the horizon
+            idle = [h for h, _ in takewhile(lambda item: item[1] < horizon, lru.items())]
+            for h in idle:
+                del lru[h]
                 state.fresh.pop(h, None)
                 self._clear(h, state.bit)
-                dropped += 1
+            dropped += len(idle)
         return dropped
 
     # --- introspection ---------------------------------------------------------------

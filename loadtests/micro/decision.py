@@ -48,7 +48,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gateway.app import ttft_estimate
@@ -80,7 +80,9 @@ class Fleet:
     index: PrefixIndex
     costs: CostModel
     tokens: TokenAccounting
-    conversations: list[list[int]]  # each one's block chain
+    # each one's block chain: tuples, which the garbage collector stops tracking (lists
+    # of millions of hashes would add the benchmark's own data to every full collection)
+    conversations: list[tuple[int, ...]]
     blocks: int  # blocks in the index (sum over workers)
 
 
@@ -105,7 +107,7 @@ def build_fleet(workers: int, capacity_tokens: int, system_prompts: int, seed: i
             costs.observe(worker.id, rng.randrange(200, 4000), rng.randrange(5000), 0.05)
         fleet.append(worker)
     systems = [_chain((1, s), SYSTEM_BLOCKS) for s in range(system_prompts)]
-    conversations: list[list[int]] = []
+    conversations: list[tuple[int, ...]] = []
     full = [False] * workers
     capacity = index.capacity_blocks(fleet[0].id)
     c = 0
@@ -115,7 +117,7 @@ def build_fleet(workers: int, capacity_tokens: int, system_prompts: int, seed: i
             history = rng.randint(1_000, 16_000) // int(BLOCK_TOKENS)
             chain = systems[rng.randrange(system_prompts)] + _chain((2, c), history)
             index.record(chain, fleet[w].id, now=0.0, pin=False)
-            conversations.append(chain)
+            conversations.append(tuple(chain))
             full[w] = index.stats(fleet[w].id).blocks >= capacity
         c += 1
     blocks = sum(index.stats(w.id).blocks for w in fleet)
@@ -140,21 +142,20 @@ def _request(chain: list[int]) -> RouteRequest:
     )
 
 
-def make_requests(fleet: Fleet, n: int, system_prompts: int, seed: int) -> list[RouteRequest]:
+def make_requests(fleet: Fleet, n: int, system_prompts: int, seed: int) -> Iterator[RouteRequest]:
+    """``n`` requests, each made when asked for (as live, only those in flight exist)."""
     rng = random.Random(seed)
-    out = []
     for i in range(n):
         draw = rng.random()
         if draw < 0.7:
             held = rng.choice(fleet.conversations)
-            chain = held + _chain((3, seed, i), TURN_BLOCKS)
+            chain = [*held, *_chain((3, seed, i), TURN_BLOCKS)]
         elif draw < 0.9:
             system = _chain((1, rng.randrange(system_prompts)), SYSTEM_BLOCKS)
             chain = system + _chain((4, seed, i), rng.randint(5, 60))
         else:
             chain = _chain((5, seed, i), rng.randint(1_000, 4_000) // int(BLOCK_TOKENS))
-        out.append(_request(chain))
-    return out
+        yield _request(chain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +217,7 @@ class Decider:
 
     def run(
         self,
-        requests: Sequence[RouteRequest],
+        requests: Iterable[RouteRequest],
         timed: bool,
         profiler: cProfile.Profile | None = None,
     ) -> tuple[list[int], list[int]]:
@@ -297,10 +298,10 @@ def measure(
     profile: bool = False,
 ) -> Row:
     decider = Decider(fleet, policy, args.seed, args.in_flight)
-    warmup = make_requests(fleet, args.warmup, args.system_prompts, args.seed + 1)
+    sample = make_requests(fleet, 300, args.system_prompts, args.seed + 3)
+    holders = statistics.fmean(len(fleet.index.match(r.block_hashes)) for r in sample)
+    decider.run(make_requests(fleet, args.warmup, args.system_prompts, args.seed + 1), False)
     timed = make_requests(fleet, args.requests, args.system_prompts, args.seed + 2)
-    holders = statistics.fmean(len(fleet.index.match(r.block_hashes)) for r in timed[:500])
-    decider.run(warmup, timed=False)
     profiler = cProfile.Profile() if profile else None
     with GcPauses() as pauses:
         walls, cpus = decider.run(timed, True, profiler)
