@@ -423,6 +423,7 @@ class Router:
                     retries=call.attempt,
                     duration_s=time.perf_counter() - call.started,
                 )
+                refused.headers.update(extra)  # as every routed answer
                 return refused
             self._outlier.record(pw.server, OUTCOME_SUCCESS)
             drain = asyncio.create_task(_read_prefill(p_up))

@@ -502,3 +502,124 @@ async def test_a_failing_decode_is_retried_on_another_with_a_single_prefill(
     sent = [orjson.loads(e.body) for e in prefill.inference]
     assert len({s["bootstrap_room"] for s in sent}) == len(sent) == 4 + busy.posts
     assert len({s["rid"] for s in sent}) == len(sent)
+
+
+async def test_a_prefill_refusal_carries_the_gateways_headers(scripted: StartWorker) -> None:
+    """A prefill's 4xx is relayed as the answer (the decode aborted), but without the
+    headers every routed answer carries (``x-request-id``, ``x-gateway-worker``,
+    ``x-gateway-prefill-worker``, ``x-gateway-matched-tokens``)."""
+    refusal = b'{"error":{"message":"bad"}}'
+    prefill = await scripted(
+        replies(http_response(refusal, "400 Bad Request", extra="X-Evil: 1\r\n"))
+    )
+    prefill.probe_answer = info(disaggregation_mode="prefill")
+    decode = await scripted(replies(http_response(DECODED)))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    async with (
+        pd_gateway([prefill], [decode]) as gw,
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/generate", json={"text": "hi"}, headers={"x-request-id": "r-1"}) as resp,
+    ):
+        assert resp.status == 400 and await resp.read() == refusal
+        assert resp.headers["x-request-id"] == "r-1" and "x-evil" not in resp.headers
+        assert resp.headers["x-gateway-prefill-worker"] == prefill.url
+        assert resp.headers["x-gateway-worker"] == decode.url
+        assert resp.headers["x-gateway-matched-tokens"] == "0"
+        rid = orjson.loads(decode.inference[0].body)["rid"]
+        await until(lambda: bool(decode.aborts), "the decode aborted")
+        assert orjson.loads(decode.aborts[0]) == {"rid": rid}
+
+
+# --- what held ---------------------------------------------------------------------------
+
+
+async def test_admin_api_takes_workers_not_rank_targets_nor_odd_roles(
+    scripted: StartWorker,
+) -> None:
+    """Held: a rank's target id is no worker for ``GET``/``DELETE``/drain (404, the worker
+    untouched); ``worker_type`` and ``bootstrap_port`` of every odd JSON type are 400s."""
+    worker = await scripted(replies(http_response(DECODED)))
+    worker.probe_answer = info(dp_size=2)
+    async with run_gateway([worker.url], worker_kind="sglang") as gw, aiohttp.ClientSession() as s:
+        w = gw.registry.find(worker.url)
+        assert w is not None
+        await until(lambda: bool(w.ranks), "its ranks")
+        rank = w.ranks[1].id
+        for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/drain")):
+            async with s.request(method, f"{gw.url}/workers/{rank}{path}") as resp:
+                assert resp.status == 404, await resp.text()
+        assert gw.registry.find(worker.url) is w and w.healthy
+        for odd in ({"worker_type": "prefill"}, {"worker_type": ["regular"]}, {"kind": 3}):
+            async with s.post(gw.url + "/workers", json={"url": worker.url, **odd}) as resp:
+                assert resp.status == 400, (odd, await resp.text())
+    prefill = await scripted(replies(http_response(DECODED)))
+    prefill.probe_answer = info(disaggregation_mode="prefill")
+    decode = await scripted(replies(http_response(DECODED)))
+    decode.probe_answer = info(disaggregation_mode="decode")
+    other = await scripted(replies(http_response(DECODED)))
+    async with pd_gateway([prefill], [decode]) as gw, aiohttp.ClientSession() as s:
+        for odd in (
+            {},
+            {"worker_type": "regular"},
+            {"worker_type": {"a": 1}},
+            {"worker_type": "decode", "bootstrap_port": 8998},
+            {"worker_type": "prefill", "bootstrap_port": True},
+            {"worker_type": "prefill", "bootstrap_port": "8998"},
+            {"worker_type": "prefill", "bootstrap_port": 0},
+            {"worker_type": "prefill", "bootstrap_port": 2**70},
+            {"worker_type": "prefill", "bootstrap_port": 8998.0},
+        ):
+            async with s.post(gw.url + "/workers", json={"url": other.url, **odd}) as resp:
+                assert resp.status == 400, (odd, await resp.text())
+        async with s.post(gw.url + "/add_worker", params={"url": other.url}) as resp:
+            assert resp.status == 400  # a role-less worker in PD mode
+        assert gw.registry.find(other.url) is None
+
+
+async def test_lying_server_info_is_bounded(scripted: StartWorker) -> None:
+    """Held: ``dp_size`` huge, negative, a bool or a string, a bootstrap port out of
+    range and odd version strings give a worker routed as one target (or its ranks up to
+    64), the bootstrap port from the flag, and requests served."""
+    lies: list[dict[str, Any]] = [
+        {"dp_size": 10**9},
+        {"dp_size": -4},
+        {"dp_size": True},
+        {"dp_size": "4"},
+        {"dp_size": 65},
+        {"dp_size": 64, "version": "\u0660.\u0665.\u0661\u0660"},
+        {"dp_size": 2, "version": "v" + "9" * 63},
+        {"dp_size": 2, "version": "0.5.9\r\nX: y"},
+    ]
+    for lie in lies:
+        worker = await scripted(replies(http_response(DECODED)))
+        worker.probe_answer = info(**lie)
+        async with run_gateway([worker.url], worker_kind="sglang") as gw:
+            w = gw.registry.find(worker.url)
+            assert w is not None
+            await until(lambda w=w: w.metadata.model is not None, "metadata read")  # type: ignore[misc]
+            dp = lie["dp_size"]
+            expected = dp if type(dp) is int and 1 < dp <= 64 else 0
+            assert len(w.ranks) == expected, lie
+            status, body = await post(gw, "/v1/chat/completions", CHAT)
+            assert status == 200, (lie, body)
+            sent = orjson.loads(worker.inference[-1].body)
+            pinned = sent.get("routed_dp_rank", sent.get("data_parallel_rank"))
+            assert (pinned is not None) == bool(expected), (lie, sent)
+            await until(lambda gw=gw: idle(gw), "leases returned")  # type: ignore[misc]
+    for port in (0, 70000, True, "8998", -1):
+        prefill = await scripted(replies(http_response(DECODED)))
+        prefill.probe_answer = info(
+            disaggregation_mode="prefill", disaggregation_bootstrap_port=port
+        )
+        decode = await scripted(replies(http_response(DECODED)))
+        decode.probe_answer = info(disaggregation_mode="decode")
+        async with run_gateway(
+            [], pd__enabled=True, pd__prefill=[prefill.url], pd__decode=[decode.url]
+        ) as gw:
+            await until(
+                lambda gw=gw: all(w.metadata.model for w in gw.registry),
+                "probed",  # type: ignore[misc]
+            )
+            status, body = await post(gw, "/generate", {"text": "hi"})
+            assert status == 200, body
+            assert orjson.loads(prefill.inference[-1].body)["bootstrap_port"] is None, port
