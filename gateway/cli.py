@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from gateway.config.policyspec import parse_params
 from gateway.exact.choice import load_choice
 from gateway.http import tuning
 from gateway.http.handlers import start_site
+from gateway.multiprocess import supervise
 from gateway.telemetry.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,14 @@ _TRISTATE = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "fals
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--host": ("server.host", {"help": "address to listen on (default 127.0.0.1)"}),
     "--port": ("server.port", {"type": int, "help": "port to listen on (default 30000)"}),
+    "--processes": (
+        "server.processes",
+        {
+            "type": int,
+            "help": "gateway processes sharing the port (SO_REUSEPORT) and, through "
+            "--redis-url (required above 1), the index, load and workers (1)",
+        },
+    ),
     "--worker-urls": (
         "workers",
         {"nargs": "+", "metavar": "URL", "help": "worker URLs to register at start"},
@@ -405,6 +415,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefix-gateway: invalid configuration: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.server)
+    if config.server.processes > 1:  # a parent forking the gateways (before any loop)
+        return supervise(config, lambda i, cfg: _run(cfg, argv, i))
+    return _run(config, argv)
+
+
+def _run(config: GatewayConfig, argv: Sequence[str] | None, index: int | None = None) -> int:
+    """One gateway until SIGINT or SIGTERM: the process, or process ``index`` of several."""
+    if index is not None:
+        log.info(
+            "gateway process %d of %d: pid %d, gateway id %s",
+            index, config.server.processes, os.getpid(), config.redis.gateway_id,
+        )  # fmt: skip
     with (
         asyncio.Runner(loop_factory=_loop_factory()) as runner,
         contextlib.suppress(KeyboardInterrupt),

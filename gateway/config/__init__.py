@@ -47,6 +47,10 @@ class ServerConfig:
     # Loopback by default: exposing the gateway must be a deliberate choice.
     host: str = "127.0.0.1"
     port: int = 30000  # sglang-router's default, so clients need no change
+    # Gateway processes on this host and port (SO_REUSEPORT; gateway/multiprocess.py),
+    # sharing the prefix index, load and workers through Redis: more than 1 needs
+    # redis.url. Each is a whole gateway with its own redis.gateway_id (<id>-<i>).
+    processes: int = 1
     # When set, every API and admin request needs `Authorization: Bearer <key>`
     # (health, readiness and metrics stay open for probes and scrapes).
     api_key: str | None = None
@@ -568,6 +572,7 @@ def validate(cfg: GatewayConfig) -> None:
     _validate_outlier(cfg.outlier)
     _validate_redis(cfg.redis)
     _validate_pd(cfg)
+    _validate_processes(cfg)
 
 
 def _validate_server(s: ServerConfig) -> None:
@@ -803,6 +808,26 @@ def _validate_pd(cfg: GatewayConfig) -> None:
             f"unknown policy; choose one of {', '.join(names)}",
             name,
         )
+
+
+def _validate_processes(cfg: GatewayConfig) -> None:
+    n = cfg.server.processes
+    _check(1 <= n <= 64, "server.processes", "must be in 1..64", n)
+    if n == 1:
+        return
+    _check(
+        not cfg.pd.enabled,
+        "server.processes",
+        "PD mode runs in one process (worker roles are not shared through Redis yet)",
+        n,
+    )
+    _check(
+        cfg.redis.url is not None,
+        "server.processes",
+        "processes share the prefix index, load and workers through Redis: "
+        "set redis.url (--redis-url)",
+        n,
+    )
 
 
 def _validate_policy(p: PolicyConfig, where: str = "policy") -> None:

@@ -237,11 +237,13 @@ class GuardedSite(web.BaseSite):
         guard: ConnectionGuard,
         *,
         backlog: int = 2048,
+        reuse_port: bool = False,
     ) -> None:
         # the shutdown grace is the runner's (web.AppRunner(shutdown_timeout=...))
         super().__init__(runner, backlog=backlog)
         self._guard_host = host
         self._guard_port = port
+        self._reuse_port = reuse_port  # SO_REUSEPORT: several processes on one port
         self.guard = guard
 
     @property
@@ -259,4 +261,5 @@ class GuardedSite(web.BaseSite):
             self._guard_port,
             backlog=self._backlog,
             reuse_address=True,
+            reuse_port=self._reuse_port or None,
         )

@@ -319,7 +319,8 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     )
     await runner.setup()
     guard = ConnectionGuard(s.max_connections, s.header_timeout_s)
-    site = GuardedSite(runner, host, port, guard, backlog=2048)
+    # several gateway processes share the port (gateway/multiprocess.py)
+    site = GuardedSite(runner, host, port, guard, backlog=2048, reuse_port=s.processes > 1)
     await site.start()
     sockets = runner.addresses
     bound = sockets[0][1] if sockets else port
