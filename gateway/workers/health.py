@@ -7,7 +7,8 @@ Contract:
   ``success_threshold`` consecutive passes clear it. A newly added worker carries
   ``HealthFlag.UNCHECKED`` until its first pass (one pass suffices: nothing was known).
 - The probe path, and where metadata is read, depend on the worker's kind
-  (``gateway.workers.kinds``). After a pass, a worker whose metadata is unknown has it read
+  (``gateway.workers.kinds``). After a pass, a worker whose metadata is unknown, or that
+  is coming back from failed checks (restarted, perhaps otherwise), has it read
   (SGLang ``/server_info``: model, ``max_total_num_tokens``, page size, ``dp_size``: a
   worker with several DP ranks gets one routing target per rank; llama.cpp
   ``/props``: slots and context) and ``on_metadata`` listeners are told.
@@ -70,8 +71,9 @@ class HealthChecker:
             learned = await self.refresh_metadata(worker, server)  # discovers the kind
             if learned and not ok:
                 ok, server = await self._probe(worker)  # with its own kind's path
-        elif ok and worker.metadata.model is None:
-            await self.refresh_metadata(worker)
+        elif ok and (worker.metadata.model is None or HealthFlag.CHECK_FAILED in worker.flags):
+            await self.refresh_metadata(worker)  # unknown, or back from failing: restarted,
+            # maybe with other settings (fewer DP ranks: a pinned rank gone is a 400)
         if ok and worker.metadata.lora_enabled:
             await self.refresh_adapters(worker)
         self.record(worker, ok)

@@ -237,7 +237,7 @@ async def test_hostile_load_figures_neither_stop_polling_nor_reach_policies(
     worker's load was read again (the others' figures aged for good); so did ``+Inf`` in
     ``/metrics``. Negative counts and usage reached the policies as they came."""
     huge = {"num_running_reqs": 1e308, "num_waiting_reqs": -5, "token_usage": -1e300}
-    entries = [{"dp_rank": r, **huge, "max_total_num_tokens": 1e308} for r in (0, 1)]
+    entries: list[Any] = [{"dp_rank": r, **huge, "max_total_num_tokens": 1e308} for r in (0, 1)]
     entries += [{"dp_rank": 7, "num_waiting_uncached_tokens": -9}, [], {"dp_rank": True}]
     hostile = await scripted(replies(http_response(DECODED)))
     hostile.probe_answer = info(dp_size=2, loads=entries)
@@ -344,7 +344,7 @@ async def test_exact_mode_on_a_rank_blind_dp_worker_predicts_its_hits() -> None:
     from simulator.fleet import SimConfig, SimulatedFleet  # the simulator: this test only
 
     conf = SimConfig(speed=50.0, page_size=16, dp_size=2, kv_events_config=KV_CONFIG)
-    overrides = {
+    overrides: dict[str, Any] = {
         "policy__name": "cache_aware",
         "kv_events__enabled": True,
         "kv_events__discovery_interval_s": 0.1,
@@ -355,7 +355,7 @@ async def test_exact_mode_on_a_rank_blind_dp_worker_predicts_its_hits() -> None:
         await SimulatedFleet.start(1, conf) as fleet,
         run_gateway(fleet.urls, **overrides) as gw,
     ):
-        manager = gw.router._exact
+        manager: Any = gw.router._exact  # the KVEventsManager
         assert manager is not None
         wid = gw.registry.find(fleet.urls[0]).id  # type: ignore[union-attr]
         await until(lambda: manager.mode(wid) == "exact", "following its events", 10)
@@ -530,6 +530,86 @@ async def test_a_prefill_refusal_carries_the_gateways_headers(scripted: StartWor
         assert orjson.loads(decode.aborts[0]) == {"rid": rid}
 
 
+# --- DP ranks that change -------------------------------------------------------------
+
+
+def _streams_until(release: asyncio.Event) -> Any:
+    """A worker streaming one event, then ``[DONE]`` once ``release`` is set."""
+
+    async def answer(exchange: Exchange, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(STREAM_HEAD + b"%x\r\n%s\r\n" % (len(EVENT), EVENT))
+        await writer.drain()
+        await release.wait()
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(DONE), DONE))
+        await writer.drain()
+        return True
+
+    return answer
+
+
+EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+async def test_ranks_that_go_while_their_requests_run(scripted: StartWorker) -> None:
+    """Held: a worker whose ``/server_info`` is read at every probe (it names no model)
+    goes from 4 ranks to 2 while a request runs on each: the requests finish whole, every
+    lease (the dropped ranks' too) is returned, and the ranks come back fresh."""
+    release = asyncio.Event()
+    worker = await scripted(_streams_until(release))
+    worker.probe_answer = http_response(orjson.dumps({"dp_size": 4}))
+    async with run_gateway([worker.url], worker_kind="sglang") as gw:
+        w = gw.registry.find(worker.url)
+        assert w is not None
+        await until(lambda: len(w.ranks) == 4, "4 ranks")
+        ranks = w.ranks
+        streams = [
+            asyncio.ensure_future(post(gw, "/v1/chat/completions", {**CHAT, "stream": True}))
+            for _ in range(4)
+        ]
+        await until(lambda: all(r.in_flight == 1 for r in ranks), "a request on each rank")
+        worker.probe_answer = http_response(orjson.dumps({"dp_size": 2}))
+        await until(lambda: len(w.ranks) == 2, "2 ranks")
+        release.set()
+        for status, body in await asyncio.gather(*streams):
+            assert status == 200 and body.endswith(DONE), body
+        assert all(r.in_flight == 0 and r.decoding_requests == 0 for r in ranks)
+        await until(lambda: idle(gw), "leases returned")
+        worker.probe_answer = http_response(orjson.dumps({"dp_size": 4}))
+        await until(lambda: len(w.ranks) == 4, "4 ranks again")
+        status, body = await post(gw, "/v1/chat/completions", {**CHAT, "stream": True})
+        assert status == 200, body
+        await until(lambda: idle(gw), "leases returned")
+
+
+async def test_a_worker_back_with_fewer_ranks_is_routed_to_its_ranks() -> None:
+    """A worker's ``/server_info`` was read once: one restarted with fewer DP ranks kept
+    its old rank targets, and every request pinned to a rank it no longer had got its
+    400 ("routed_dp_rank=3 out of range [0, 2)"), for good. A worker that failed its
+    health checks has its metadata read again as it comes back."""
+    from dataclasses import replace
+
+    from simulator.fleet import SimConfig, SimulatedFleet  # the simulator: this test only
+
+    async with (
+        await SimulatedFleet.start(1, SimConfig(speed=50.0, dp_size=4)) as fleet,
+        run_gateway(fleet.urls) as gw,
+    ):
+        w = gw.registry.find(fleet.urls[0])
+        assert w is not None
+        await until(lambda: len(w.ranks) == 4, "4 ranks")
+        await fleet.stop_worker(0)
+        await until(lambda: not w.healthy, "its health checks failed")
+        fleet.config = replace(fleet.config, dp_size=2)
+        await fleet.restart_worker(0)
+        await until(lambda: w.healthy, "back")
+        for i in range(6):
+            ask = {**CHAT, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2}
+            status, body = await post(gw, "/v1/chat/completions", ask)
+            assert status == 200, body
+        assert len(w.ranks) == 2
+
+
 # --- what held ---------------------------------------------------------------------------
 
 
@@ -558,7 +638,7 @@ async def test_admin_api_takes_workers_not_rank_targets_nor_odd_roles(
     decode.probe_answer = info(disaggregation_mode="decode")
     other = await scripted(replies(http_response(DECODED)))
     async with pd_gateway([prefill], [decode]) as gw, aiohttp.ClientSession() as s:
-        for odd in (
+        odds: list[dict[str, Any]] = [
             {},
             {"worker_type": "regular"},
             {"worker_type": {"a": 1}},
@@ -568,7 +648,8 @@ async def test_admin_api_takes_workers_not_rank_targets_nor_odd_roles(
             {"worker_type": "prefill", "bootstrap_port": 0},
             {"worker_type": "prefill", "bootstrap_port": 2**70},
             {"worker_type": "prefill", "bootstrap_port": 8998.0},
-        ):
+        ]
+        for odd in odds:
             async with s.post(gw.url + "/workers", json={"url": other.url, **odd}) as resp:
                 assert resp.status == 400, (odd, await resp.text())
         async with s.post(gw.url + "/add_worker", params={"url": other.url}) as resp:
@@ -596,7 +677,7 @@ async def test_lying_server_info_is_bounded(scripted: StartWorker) -> None:
         async with run_gateway([worker.url], worker_kind="sglang") as gw:
             w = gw.registry.find(worker.url)
             assert w is not None
-            await until(lambda w=w: w.metadata.model is not None, "metadata read")  # type: ignore[misc]
+            await until(lambda w=w: w.metadata.model is not None, "metadata read")
             dp = lie["dp_size"]
             expected = dp if type(dp) is int and 1 < dp <= 64 else 0
             assert len(w.ranks) == expected, lie
@@ -605,7 +686,7 @@ async def test_lying_server_info_is_bounded(scripted: StartWorker) -> None:
             sent = orjson.loads(worker.inference[-1].body)
             pinned = sent.get("routed_dp_rank", sent.get("data_parallel_rank"))
             assert (pinned is not None) == bool(expected), (lie, sent)
-            await until(lambda gw=gw: idle(gw), "leases returned")  # type: ignore[misc]
+            await until(lambda gw=gw: idle(gw), "leases returned")
     for port in (0, 70000, True, "8998", -1):
         prefill = await scripted(replies(http_response(DECODED)))
         prefill.probe_answer = info(
@@ -616,10 +697,7 @@ async def test_lying_server_info_is_bounded(scripted: StartWorker) -> None:
         async with run_gateway(
             [], pd__enabled=True, pd__prefill=[prefill.url], pd__decode=[decode.url]
         ) as gw:
-            await until(
-                lambda gw=gw: all(w.metadata.model for w in gw.registry),
-                "probed",  # type: ignore[misc]
-            )
+            await until(lambda gw=gw: all(w.metadata.model for w in gw.registry), "probed")
             status, body = await post(gw, "/generate", {"text": "hi"})
             assert status == 200, body
             assert orjson.loads(prefill.inference[-1].body)["bootstrap_port"] is None, port
