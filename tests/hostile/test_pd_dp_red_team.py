@@ -613,6 +613,50 @@ async def test_a_worker_back_with_fewer_ranks_is_routed_to_its_ranks() -> None:
 # --- what held ---------------------------------------------------------------------------
 
 
+async def test_a_client_leaving_mid_stream_frees_both_dp_sides(scripted: StartWorker) -> None:
+    """Held: a client that leaves mid-stream, on a pair of DP workers (a rank each side),
+    has both servers aborted by rid, the decode's connection closed and every rank's
+    lease returned; so does one leaving while a logprob merge waits for the prefill."""
+    closed, end = asyncio.Event(), asyncio.Event()
+    prefill = await scripted(replies(http_response(DECODED)))
+    prefill.probe_answer = info(disaggregation_mode="prefill", dp_size=2)
+    decode = await scripted(_held(closed, True, end))
+    decode.probe_answer = info(disaggregation_mode="decode", dp_size=2)
+    try:
+        async with pd_gateway([prefill], [decode]) as gw:
+            await until(lambda: all(w.ranks for w in gw.registry), "ranks")
+            port = int(gw.url.rsplit(":", 1)[1])
+            for body in ({**CHAT, "stream": True}, {"text": "hi", "return_logprob": True}):
+                if "text" in body:  # the prefill's answer (awaited for the merge) never comes
+                    prefill.answer = _held(asyncio.Event(), True, end)  # head, no end
+                path = "/generate" if "text" in body else "/v1/chat/completions"
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                request = orjson.dumps(body)
+                writer.write(
+                    b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                    % (path.encode(), len(request), request)
+                )
+                sent = len(prefill.inference)
+                await until(lambda s=sent: len(prefill.inference) == s + 1, "sent")
+                if "text" not in body:
+                    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+                else:
+                    await until(lambda: len(decode.inference) == 2, "the decode's too")
+                writer.close()
+                rid = orjson.loads(prefill.inference[-1].body)["rid"]
+                await until(
+                    lambda r=rid: (
+                        {"rid": r} in [orjson.loads(a) for a in prefill.aborts]
+                        and {"rid": r} in [orjson.loads(a) for a in decode.aborts]
+                    ),
+                    "both aborted",
+                )
+                await until(lambda: idle(gw), "every rank's lease returned")
+            await asyncio.wait_for(closed.wait(), 3)
+    finally:
+        end.set()
+
+
 async def test_admin_api_takes_workers_not_rank_targets_nor_odd_roles(
     scripted: StartWorker,
 ) -> None:
