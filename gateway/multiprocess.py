@@ -41,6 +41,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -173,6 +174,9 @@ class _Supervisor:
 def supervise(config: GatewayConfig, run: ChildMain) -> int:
     """Fork ``server.processes`` children running ``run`` and look after them until a
     signal stops them (module contract); returns the parent's exit code."""
+    if not hasattr(signal, "sigtimedwait") or not hasattr(socket, "SO_REUSEPORT"):
+        log.error("server.processes > 1 (--processes) needs Linux (sigtimedwait, SO_REUSEPORT)")
+        return 2
     configs = child_configs(config)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
