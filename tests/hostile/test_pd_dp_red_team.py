@@ -1,6 +1,7 @@
 """Red team of PD mode (prefill/decode pairs) and data-parallel ranks: a hostile client
 and misbehaving workers, scripted (``scripted_worker``) or simulated. Each test names
-what it found; each failed before its fix."""
+what it found and failed before its fix, but those whose docstring starts "Held": what
+was tried and already stood."""
 
 from __future__ import annotations
 
