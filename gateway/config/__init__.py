@@ -244,6 +244,11 @@ class LoraConfig:
     # workers needs ~2/s, and 2/s answered 1 % of its requests 503 (BENCHMARKS.md).
     load_rate_per_s: float = 8.0
     load_burst: int = 16
+    # Under a policy that weighs load time (min_ttft), offer workers lacking an adapter
+    # beside its busy holders, so a hot adapter may be copied to a second worker. Off: in
+    # the offline replay it raised p90 TTFT at 3x the LoRA bench's rate (the copy's load
+    # and the adapters it evicts cost more than the queue it saved; BENCHMARKS.md).
+    replicate: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,9 +27,11 @@ Contract:
   ``loaded_adapters`` lacks the adapter (or ``success: false``) is a failed load.
 - The time a load takes is counted in the choice: each candidate lacking the adapter is
   offered with the estimated load time (``WorkerView.setup_s``; the running mean of the
-  loads the gateway timed). For a policy that weighs it (``min_ttft``), the workers that
-  lack an adapter its holders have are offered too, so an idle worker loading it can beat
-  a hot adapter's busy holders: the adapter is then replicated (within the load rate).
+  loads the gateway timed, doubled on a worker whose adapter slots are full: the load
+  evicts an adapter in use). With ``lora.replicate`` (off by default) and a policy that
+  weighs it (``min_ttft``), the workers that lack an adapter its holders have are offered
+  too, so an idle worker loading it can beat a hot adapter's busy holders: the adapter is
+  then replicated (within the load rate).
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def lora_candidates(
         able = [w for w in others if _may_load(w, parent)] if path is not None else []
         if not able:
             return list(workers), None, {}
-        return [*workers, *able], path, dict.fromkeys((w.id for w in able), loads.load_s)
+        return [*workers, *able], path, {w.id: _load_cost(w, loads) for w in able}
     if config.unloaded == "reject":
         raise adapter_not_found(adapter)
     path, parent, why = _source(adapter, config, registry)
@@ -184,8 +186,16 @@ def lora_candidates(
             code="lora_load_rate_limited",
             retry_after=1.0,
         )
-    lacking = (w.id for w in able if adapter not in w.adapters)
-    return able, path, dict.fromkeys(lacking, loads.load_s)
+    return able, path, {w.id: _load_cost(w, loads) for w in able if adapter not in w.adapters}
+
+
+def _load_cost(worker: Worker, loads: AdapterLoads) -> float:
+    """The time a load on ``worker`` costs: one load, and a second when its adapter
+    slots are full (``max_loaded_loras``), since the load evicts an adapter that was
+    kept because it is used, so its next request loads it again."""
+    bound = worker.metadata.max_loaded_loras
+    full = bound is not None and len(worker.adapters) >= bound
+    return loads.load_s * (2.0 if full else 1.0)
 
 
 def adapter_candidates(
@@ -203,7 +213,7 @@ def adapter_candidates(
     adapter when the policy weighs the load time (``weighs_setup``) and loads are allowed:
     the live router's and the offline replay's one call."""
     others: list[Worker] = []
-    if config.unloaded == "load" and weighs_setup:
+    if config.replicate and config.unloaded == "load" and weighs_setup:
         others = [w for w in registry.candidates(excluded, model) if adapter not in w.adapters]
     return lora_candidates(workers, adapter, config, registry, loads, others)
 

@@ -68,9 +68,13 @@ class WorkerMetadata:
     # every name a request may use for it (served name, model path, /v1/models ids)
     models: frozenset[str] = frozenset()
     capacity_tokens: int | None = None  # max_total_num_tokens
+    # HiCache's host-only tier in tokens (per DP rank, as capacity_tokens), from its
+    # /server_info (``gateway.workers.replies.host_tier_tokens``); None: no host tier
+    host_capacity_tokens: int | None = None
     page_size: int | None = None
     max_sequences: int | None = None  # prompts it keeps cached when slots bind (llama.cpp)
     lora_enabled: bool = False  # serves LoRA adapters (SGLang's enable_lora)
+    max_loaded_loras: int | None = None  # adapters kept loaded (LRU beyond); None: not told
     dp_size: int = 1  # data-parallel ranks, each with its own radix cache (SGLang)
     # prefill/decode disaggregation as the worker's /server_info tells it (docs/PD.md)
     disaggregation_mode: str | None = None  # "prefill", "decode" or "null"

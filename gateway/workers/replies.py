@@ -36,6 +36,7 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
     names = (info.get("served_model_name"), info.get("model_path"))
     dp_size = info.get("dp_size")
     version = info.get("version")
+    max_loras = info.get("max_loaded_loras")
     mode = info.get("disaggregation_mode")
     port = info.get("disaggregation_bootstrap_port")
     return WorkerMetadata(
@@ -44,11 +45,60 @@ def parse_server_info(info: Mapping[str, Any]) -> WorkerMetadata:
         capacity_tokens=capacity if isinstance(capacity, int) and capacity > 0 else None,
         page_size=page if isinstance(page, int) and page > 0 else None,
         lora_enabled=lora,
+        max_loaded_loras=max_loras if type(max_loras) is int and max_loras > 0 else None,
         dp_size=dp_size if type(dp_size) is int and dp_size > 0 else 1,
         version=version if isinstance(version, str) and len(version) <= 64 else None,
         disaggregation_mode=mode if mode in ("prefill", "decode", "null") else None,
         bootstrap_port=port if type(port) is int and 1 <= port <= 65535 else None,
+        host_capacity_tokens=host_tier_tokens(info, capacity if isinstance(capacity, int) else 0),
     )
+
+
+# SGLang's HiCache defaults (server_args.py, 0.5.23): the host pool is twice the device's,
+# and every block inserted is copied there (write_through).
+_HICACHE_RATIO = 2.0
+_WRITE_THROUGH = ("write_through", "write_through_selective")
+
+
+def host_tier_tokens(info: Mapping[str, Any], device_tokens: int) -> int | None:
+    """HiCache's host-only tier of one rank, in tokens, from ``/server_info``'s arguments
+    (``enable_hierarchical_cache``, ``hicache_ratio``, ``hicache_size``,
+    ``hicache_write_policy``), or None without one. The host pool is ``hicache_ratio``
+    times the device pool, or ``hicache_size`` GB over the KV bytes per token (its
+    ``memory_usage.kvcache`` GiB over ``max_total_num_tokens``, when told; else the
+    ratio); as SGLang sizes it (``HostKVCache``). Under write-through (the default, and
+    the selective one) the pool also holds a copy of the device's blocks, so the tier
+    beyond the GPU is the pool less the device pool; under write-back, the whole pool."""
+    if info.get("enable_hierarchical_cache") is not True or device_tokens <= 0:
+        return None
+    ratio = _finite(info.get("hicache_ratio"), _HICACHE_RATIO)
+    pool = device_tokens * ratio
+    size_gb = _finite(info.get("hicache_size"), 0.0)
+    per_token = _kv_bytes_per_token(info, device_tokens)
+    if size_gb > 0 and per_token:
+        pool = size_gb * 1e9 / per_token
+    if info.get("hicache_write_policy", "write_through") in _WRITE_THROUGH:
+        pool -= device_tokens
+    return int(min(pool, _MAX_FIGURE)) if pool >= 1 else None
+
+
+def _finite(value: object, default: float) -> float:
+    """``value`` if it is a number in [0, 2**53) (NaN, infinities and booleans are not),
+    else ``default``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if 0 <= number < _MAX_FIGURE:
+            return number
+    return default
+
+
+def _kv_bytes_per_token(info: Mapping[str, Any], device_tokens: int) -> float | None:
+    states = info.get("internal_states")
+    if not (isinstance(states, list) and states and isinstance(states[0], Mapping)):
+        return None
+    usage = states[0].get("memory_usage")
+    kv_gib = _finite(usage.get("kvcache") if isinstance(usage, Mapping) else None, 0.0)
+    return kv_gib * 2**30 / device_tokens if kv_gib > 0 else None
 
 
 def parse_adapters(body: Any) -> tuple[dict[str, str], dict[str, str]] | None:

@@ -201,6 +201,7 @@ class LoraSimulation(Simulation):
             worker.metadata.capacity_tokens = capacity_tokens
             worker.metadata.model = model
             worker.metadata.lora_enabled = True
+            worker.metadata.max_loaded_loras = lora.max_loaded_loras  # as /server_info tells
             gw.append(worker)
         self.gw = gw
         self.loads = AdapterLoads()

@@ -83,3 +83,22 @@ def test_min_ttft_keeps_each_models_shares_apart() -> None:
     assert len(shares) == 20
     for fleet in fleets:
         assert abs(sum(shares[w.id] for w in fleet) - 1.0) < 1e-6
+
+
+def test_replicas_are_offered_only_when_configured_and_full_slots_cost_twice() -> None:
+    from gateway.routing.lora import adapter_candidates
+
+    reg = _fleet()
+    holders = reg.candidates((), "base", "a")
+    off = adapter_candidates(reg, holders, (), "base", "a", LoraConfig(), AdapterLoads(), True)
+    assert [w.url for w in off[0]] == ["http://127.0.0.1:1"]
+    on_cfg = LoraConfig(replicate=True)
+    blind = adapter_candidates(reg, holders, (), "base", "a", on_cfg, AdapterLoads(), False)
+    assert [w.url for w in blind[0]] == ["http://127.0.0.1:1"]  # the policy ignores load time
+    spare = reg.find("http://127.0.0.1:2")
+    assert spare is not None
+    spare.metadata.max_loaded_loras = 1
+    reg.set_adapters(spare, {"b": "/lora/b"})  # its one slot is taken: a load evicts "b"
+    on = adapter_candidates(reg, holders, (), "base", "a", on_cfg, AdapterLoads(), True)
+    assert [w.url for w in on[0]] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert on[2] == {spare.id: 2 * DEFAULT_LOAD_S}
