@@ -41,3 +41,22 @@ class TaskSet:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+
+
+async def gather_contained(coros: list[Coroutine[Any, Any, Any]], what: str) -> None:
+    """Run ``coros`` together; one that raises is logged (``what``: e.g. "health probe")
+    and the others still finish, so one worker's unexpected answer cannot end a loop
+    that serves the whole fleet. Cancellation still propagates."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for result in results:
+        if isinstance(result, asyncio.CancelledError):
+            raise result
+        if isinstance(result, BaseException):
+            seen = (what, type(result).__name__)
+            first = seen not in _REPORTED
+            _REPORTED.add(seen)  # logged in full once per kind, then quietly
+            log.log(logging.ERROR if first else logging.DEBUG, "%s failed: %r", what,
+                    result, exc_info=result if first else None)  # fmt: skip
+
+
+_REPORTED: set[tuple[str, str]] = set()  # (what, exception type) already logged in full

@@ -426,9 +426,10 @@ class Router:
                 refused.headers.update(extra)  # as every routed answer
                 return refused
             self._outlier.record(pw.server, OUTCOME_SUCCESS)
-            drain = asyncio.create_task(_read_prefill(p_up))
+            merging = pd_rules.wants_input_logprobs(req.kind, req.body)
+            drain = asyncio.create_task(_read_prefill(p_up, keep=merging))
             transform = None
-            if pd_rules.wants_input_logprobs(req.kind, req.body):
+            if merging:
                 answer = await asyncio.shield(drain)
                 found = pd_rules.input_logprobs(answer) if answer else None
                 transform = pd_rules.merger(found) if found else None
@@ -655,11 +656,17 @@ def _final_error(
     return 502, GatewayError(502, f"no worker could serve the request: {failure.message}")
 
 
-async def _read_prefill(upstream: UpstreamResponse) -> bytes | None:
-    """The prefill's answer, read whole and dropped (bounded by the pool's body limit),
-    the connection released; None if it failed. Cancelled: the connection is closed."""
+async def _read_prefill(upstream: UpstreamResponse, keep: bool) -> bytes | None:
+    """The prefill's answer read to its end, the connection released: returned when
+    ``keep`` (its input logprobs are merged; bounded by the pool's body limit), else
+    dropped chunk by chunk as it arrives (nothing of it is held); None if it failed or
+    was not kept. Cancelled: the connection is closed."""
     try:
-        return await upstream.read(upstream.limits.max_body_bytes)
+        if keep:
+            return await upstream.read(upstream.limits.max_body_bytes)
+        while await upstream.readany():
+            pass
+        return None
     except (UpstreamError, TimeoutError, aiohttp.ClientError, OSError):
         return None
     finally:

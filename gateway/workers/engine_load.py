@@ -20,6 +20,7 @@ from collections.abc import Callable
 import aiohttp
 
 from gateway.config import LoadConfig
+from gateway.tasks import gather_contained
 from gateway.workers.kinds import kind_named
 from gateway.workers.registry import Worker, WorkerRegistry
 from gateway.workers.replies import LoadReading
@@ -46,7 +47,7 @@ class LoadPoller:
         while True:
             workers = list(self._registry)
             if workers:
-                await asyncio.gather(*(self.poll(w) for w in workers))
+                await gather_contained([self.poll(w) for w in workers], "load poll")
             await asyncio.sleep(self._config.poll_interval_s)
 
     def forget(self, worker: Worker) -> None:

@@ -34,13 +34,14 @@ import orjson
 
 from gateway.config import HealthConfig
 from gateway.config.workerspec import LLAMACPP, OPENAI, SGLANG
+from gateway.tasks import gather_contained
 from gateway.workers.kinds import (
     WorkerKind,
     kind_from_models,
     kind_from_server_header,
     kind_named,
 )
-from gateway.workers.registry import HealthFlag, Worker, WorkerMetadata, WorkerRegistry
+from gateway.workers.registry import REGULAR, HealthFlag, Worker, WorkerMetadata, WorkerRegistry
 from gateway.workers.replies import parse_adapters
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class HealthChecker:
         while True:
             workers = list(self._registry)
             if workers:
-                await asyncio.gather(*(self.check_now(w) for w in workers))
+                await gather_contained([self.check_now(w) for w in workers], "health probe")
             await asyncio.sleep(self._config.interval_s)
 
     async def check_now(self, worker: Worker) -> bool:
@@ -171,6 +172,13 @@ class HealthChecker:
             log.info("worker %s is of kind %s (discovered)", worker.url, kind.name)
             worker.kind, worker.kind_known = kind.name, True
         worker.metadata = metadata
+        told = metadata.disaggregation_mode
+        if worker.role != REGULAR and told not in (None, worker.role):
+            log.warning(
+                "worker %s is configured as a %s worker but its /server_info says "
+                "disaggregation_mode %s: its requests will fail",
+                worker.url, worker.role, told,
+            )  # fmt: skip
         self._registry.sync_ranks(worker)  # DP ranks: one routing target each
         for listener in self.on_metadata:
             listener(worker)

@@ -31,6 +31,7 @@ Contract:
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import re
 import time
@@ -115,14 +116,24 @@ _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def worker_id_for(url: str) -> str:
-    """``http://127.0.0.1:18001`` → ``127.0.0.1-18001`` (``https-`` prefix for TLS)."""
+    """``http://127.0.0.1:18001`` → ``127.0.0.1-18001`` (``https-`` prefix for TLS). A
+    host or path with characters outside ``[A-Za-z0-9._-]`` has them replaced and a
+    digest of the original appended, so two URLs never share an id (``/a/b`` and
+    ``/a_b``, ``[::1]`` and a host named ``1``)."""
     parts = urlsplit(url)
-    host = _ID_UNSAFE.sub("_", parts.hostname or "").strip("_") or "worker"
+    host = _safe(parts.hostname or "") or "worker"
     wid = f"{host}-{parts.port}"
-    path = _ID_UNSAFE.sub("_", parts.path.strip("/"))
+    path = _safe(parts.path.strip("/"))
     if path:
         wid = f"{wid}-{path}"
     return f"https-{wid}" if parts.scheme == "https" else wid
+
+
+def _safe(part: str) -> str:
+    cleaned = _ID_UNSAFE.sub("_", part).strip("_")
+    if cleaned == part:
+        return part
+    return f"{cleaned}.{hashlib.sha256(part.encode()).hexdigest()[:8]}"
 
 
 class Worker:

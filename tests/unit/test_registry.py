@@ -28,7 +28,10 @@ def _registry(n: int, panic: float = 0.5) -> WorkerRegistry:
 def test_ids_are_stable_and_path_safe() -> None:
     assert worker_id_for("http://127.0.0.1:18001") == "127.0.0.1-18001"
     assert worker_id_for("https://w.example:443") == "https-w.example-443"
-    assert worker_id_for("http://[::1]:9000/v1") == "1-9000-v1"
+    assert worker_id_for("http://[::1]:9000/v1").startswith("1.")  # digest-suffixed
+    assert worker_id_for("http://h:1/a/b") != worker_id_for("http://h:1/a_b")
+    assert worker_id_for("http://[::1]:1") != worker_id_for("http://1:1")
+    assert worker_id_for("http://h:1/v1") == "h-1-v1"  # plain parts stay as they were
     assert "/" not in worker_id_for("http://h:1/a/b")
 
 
