@@ -34,12 +34,14 @@ with usage, TTFT = the first event), bounded by ``--max-requests``, ``--max-seco
 repeats every arm, the order reversed every other round, and pools the outcomes
 (``loadtests.bench.report.merge``).
 
-Figures per arm: TTFT p50 / p99 (wall ms; x ``--speed`` for modelled time) and their
-ratios to the sglang-router PD arm's; TPOT p50 (per request, (last byte - first event) /
-(completion tokens - 1), wall ms); the **prefill-side hit rate** from the responses'
-usage (Σ cached / Σ prompt tokens; on PD the decode reports the prefill's hit, docs/PD.md
-section 4) and, as a cross-check, from the prefill workers' own counters (every worker's
-on the regular fleet); completed requests per second (first send to last answer);
+Figures per arm: TTFT p50 / p99 (wall ms; x ``--speed`` for modelled time), pooled and
+per round with the median of the rounds' (robust to a busy spell of the shared machine
+falling on one round), and the pooled ones' ratios to the sglang-router PD arm's; TPOT
+p50 (per request, (last byte - first event) / (completion tokens - 1), wall ms); the
+**prefill-side hit rate** from the responses' usage (Σ cached / Σ prompt tokens; on PD the
+decode reports the prefill's hit, docs/PD.md section 4) and, as a cross-check, from the
+prefill workers' own counters (every worker's on the regular fleet); completed requests
+per second (first send to last answer);
 requests per prefill and per decode worker; the router process's CPU time per request
 (user + system, during the run: this gateway is Python, sglang-router Rust, and the
 machine is shared); failures; the machine's 1-minute load.
@@ -57,9 +59,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -373,6 +377,13 @@ def _p50_p99(values: Sequence[float]) -> tuple[float, float]:
     return percentile(values, 50, "nearest"), percentile(values, 99, "nearest")
 
 
+def _median_rounds(per_round: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    if not per_round:
+        return math.nan, math.nan
+    return (statistics.median(p for p, _ in per_round),
+            statistics.median(p for _, p in per_round))  # fmt: skip
+
+
 def _ms(x: float) -> str:
     return "-" if x != x else f"{x * 1e3:,.0f}"
 
@@ -397,21 +408,23 @@ def render(setup: str, results: Sequence[ArmResult], notes: Sequence[str]) -> st
     lines = [
         setup,
         "",
-        "| arm | ok / sent | failed | TTFT p50 / p99 ms | per round "
+        "| arm | ok / sent | failed | TTFT p50 / p99 ms | per round | median of rounds "
         "| p50 / p99 ÷ sglang-router PD | prefill-side hit (usage) | hit (workers' counters) "
         "| TPOT p50 ms | req/s | router CPU ms / request | requests per prefill (per worker "
         "when regular) | requests per decode | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for item in results:
         r = item.result
         t50, t99 = _p50_p99(r.ttfts)
         rounds = ", ".join(f"{_ms(a)} / {_ms(b)}" for a, b in item.per_round)
+        m50, m99 = _median_rounds(item.per_round)
         per = " / ".join(f"{w.requests:.0f}" for w in r.workers)
         dec = " / ".join(f"{w.requests:.0f}" for w in item.decode) or "-"
         lines.append(
             f"| {item.arm.spec} | {r.ok} / {r.sent} | {r.failed + r.shed} | {_ms(t50)} / "
-            f"{_ms(t99)} | {rounds} | {_ratio(t50, ref_q[0])} / {_ratio(t99, ref_q[1])} | "
+            f"{_ms(t99)} | {rounds} | {_ms(m50)} / {_ms(m99)} | "
+            f"{_ratio(t50, ref_q[0])} / {_ratio(t99, ref_q[1])} | "
             f"{r.reported_fraction:.3f} | {r.cached_fraction:.3f} | "
             f"{_ms(percentile(tpots(r.outcomes), 50, 'nearest'))} | {r.throughput:.2f} | "
             f"{item.router_cpu_s / max(1, r.sent) * 1e3:.1f} | "
