@@ -11,6 +11,14 @@
   does). The key is the routing target: a worker with DP ranks routed to separately is
   keyed per rank (``<worker>@dp<rank>``), so a match asks what *that rank* holds; under
   the worker's own id, ranks are unioned.
+* **Tiers** (HiCache, docs/KV_EVENTS.md "With HiCache"): one set per (worker, rank,
+  medium). Events of medium ``GPU`` (or none) keep the device set, ``CPU_PINNED`` the
+  host set (a host copy's store links to its parent in either set); a block may be in
+  both (a GPU block backed up to the host). A request's match is its GPU part, then the
+  host part that continues it (:meth:`ExactIndex.holds_host`): the engine loads that back
+  rather than recompute it. Storage media (``DISK``, ``EXTERNAL``) are ignored, and so is
+  every non-GPU event with ``host_tier=False`` (the device-only index of before, which
+  under write-through is exactly what reading every event as GPU gave).
 * :class:`PredictedBlocks` (the hybrid): blocks of a request dispatched to an exact-mode
   worker are kept as *predicted* entries for a TTL, so siblings of a prompt still in
   prefill co-locate. The TTL is ``ttl_factor`` times the running mean of the observed
@@ -30,7 +38,7 @@ from dataclasses import dataclass, field
 from xxhash import xxh3_64_intdigest
 
 from gateway.config.workerspec import split_target_id
-from gateway.exact.wire import Cleared, Event, Removed, Stored
+from gateway.exact.wire import GPU, HOST, Cleared, Event, Removed, Stored
 
 Namespace = tuple[str | None, str | None, str | None]  # (LoRA, cache_salt, extra_key)
 
@@ -55,35 +63,50 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, seed: int) -> list[i
 
 @dataclass(slots=True)
 class _RankBlocks:
-    by_engine: dict[int, int] = field(default_factory=dict)  # engine hash → our hash
+    by_engine: dict[int, int] = field(default_factory=dict)  # engine hash → our hash (GPU)
+    host_by_engine: dict[int, int] = field(default_factory=dict)  # the host tier's (HiCache)
 
 
 class ExactIndex:
-    """Blocks each worker reported, keyed by our own chained hashes (module docstring)."""
+    """Blocks each worker reported, keyed by our own chained hashes (module docstring);
+    ``host_tier``: keep HiCache's host copies (``CPU_PINNED`` events) as a tier."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_tier: bool = True) -> None:
         self._ranks: dict[tuple[str, int], _RankBlocks] = {}
         self._held: dict[str, dict[int, int]] = {}  # worker → our hash → ranks holding it
+        self._host_held: dict[str, dict[int, int]] = {}  # the same, on the host tier
+        self.host_tier = host_tier
         self.dropped_orphans = 0
         self.dropped_block_size = 0
 
     def apply(self, worker_id: str, rank: int, event: Event, block_size: int) -> list[int]:
-        """Apply one event; return our hashes of the blocks it stored (for the hybrid)."""
-        state = self._ranks.setdefault((worker_id, rank), _RankBlocks())
-        held = self._held.setdefault(worker_id, {})
+        """Apply one event; return our hashes of the GPU blocks it stored (the hybrid's)."""
         if isinstance(event, Cleared):
             self.clear(worker_id, rank)
             return []
+        medium = event.medium
+        if medium != GPU and (medium != HOST or not self.host_tier):
+            return []  # a tier not followed (storage, or the host with host_tier off)
+        state = self._ranks.setdefault((worker_id, rank), _RankBlocks())
+        host = medium == HOST
+        held = (self._host_held if host else self._held).setdefault(worker_id, {})
+        blocks = state.host_by_engine if host else state.by_engine
         if isinstance(event, Removed):
             for eh in event.block_hashes:
-                ours = state.by_engine.pop(eh, None)
+                ours = blocks.pop(eh, None)
                 if ours is not None:
                     self._release(held, ours)
             return []
-        return self._store(state, held, event, block_size)
+        stored = self._store(state, blocks, held, event, block_size)
+        return [] if host else stored
 
     def _store(
-        self, state: _RankBlocks, held: dict[int, int], event: Stored, block_size: int
+        self,
+        state: _RankBlocks,
+        blocks: dict[int, int],
+        held: dict[int, int],
+        event: Stored,
+        block_size: int,
     ) -> list[int]:
         if event.block_size != block_size or block_size <= 0:
             self.dropped_block_size += 1
@@ -91,15 +114,19 @@ class ExactIndex:
         if event.parent is None:
             seed = namespace_seed(event.lora_name, event.cache_salt, None)
         else:
+            # a parent on either tier: a host copy's parent may still be on the GPU, a
+            # block loaded back may hang off one that is host-only
             parent = state.by_engine.get(event.parent)
+            if parent is None:
+                parent = state.host_by_engine.get(event.parent)
             if parent is None:
                 self.dropped_orphans += 1
                 return []
             seed = parent
         ours = chain_hashes(event.token_ids, block_size, seed)
         for eh, h in zip(event.block_hashes, ours, strict=False):
-            if eh not in state.by_engine:
-                state.by_engine[eh] = h
+            if eh not in blocks:
+                blocks[eh] = h
                 held[h] = held.get(h, 0) + 1
         return ours
 
@@ -116,14 +143,26 @@ class ExactIndex:
         under its DP ranks' target ids, ``gateway.config.workerspec.rank_target_id``)."""
         for key in [k for k in self._ranks if _of(k[0], worker_id) and rank in (None, k[1])]:
             held = self._held.get(key[0], {})
-            for h in self._ranks.pop(key).by_engine.values():
+            host_held = self._host_held.get(key[0], {})
+            state = self._ranks.pop(key)
+            for h in state.by_engine.values():
                 self._release(held, h)
+            for h in state.host_by_engine.values():
+                self._release(host_held, h)
 
     def holds(self, worker_id: str, h: int) -> bool:
+        """Whether the worker (any rank) holds block ``h`` on its GPU."""
         return h in self._held.get(worker_id, ())
+
+    def holds_host(self, worker_id: str, h: int) -> bool:
+        """Whether the worker (any rank) holds block ``h`` on its host tier (HiCache)."""
+        return h in self._host_held.get(worker_id, ())
 
     def blocks(self, worker_id: str) -> int:
         return len(self._held.get(worker_id, ()))
+
+    def host_blocks(self, worker_id: str) -> int:
+        return len(self._host_held.get(worker_id, ()))
 
     def match(self, hashes: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
         """Leading blocks of ``hashes`` each worker holds (0 omitted)."""

@@ -138,6 +138,7 @@ class KVEventsManager:
         clock: Callable[[], float] = time.monotonic,
         allowlist: HostAllowList | None = None,
         rank_targets: Callable[[str], int] | None = None,
+        host_tier: bool = True,
     ) -> None:
         self.settings = settings
         # how many DP rank targets the registry routes a worker as (None: as many as its
@@ -146,7 +147,8 @@ class KVEventsManager:
         self.tokenizers = (
             tokenizers if isinstance(tokenizers, TokenizerChoice) else TokenizerChoice(tokenizers)
         )
-        self.index = ExactIndex()
+        # host_tier: HiCache's host copies are a tier of their own (False: GPU events only)
+        self.index = ExactIndex(host_tier)
         self.predicted = PredictedBlocks(
             settings.ttl_factor, settings.ttl_min_s, settings.ttl_max_s
         )
@@ -440,7 +442,16 @@ class KVEventsManager:
         leading blocks the worker holds, at most ``(len(ids) - 1) // block_size`` of them,
         as SGLang's ``cached_tokens`` (an exact repeat of a 32-token prompt hits 16 on
         page 16, not 32)."""
-        out: dict[str, int] = {}
+        return {w: t for w, (t, _) in self.match_tiers(ids, namespace, worker_ids).items()}
+
+    def match_tiers(
+        self, ids: Sequence[int] | None, namespace: Namespace, worker_ids: Iterable[str]
+    ) -> dict[str, tuple[int, int]]:
+        """:meth:`match`, each with the part on the worker's host tier: (matched tokens,
+        of them on the host). The GPU part is the leading blocks held on the GPU (or
+        predicted there: the hybrid); the host part continues it with blocks held on the
+        host tier, which SGLang loads back (docs/KV_EVENTS.md, "With HiCache")."""
+        out: dict[str, tuple[int, int]] = {}
         now = self._clock()
         hashes_by_size: dict[int, list[int]] = {}
         for wid in worker_ids:
@@ -448,7 +459,7 @@ class KVEventsManager:
             if size is None or self.mode(wid) != MODE_EXACT:
                 continue
             if ids is None or namespace[2]:  # extra_key is not in events: never claim a hit
-                out[wid] = 0
+                out[wid] = (0, 0)
                 continue
             hashes = hashes_by_size.get(size)
             if hashes is None:
@@ -456,14 +467,20 @@ class KVEventsManager:
             n = 0
             # SGLang computes at least the prompt's last token: a hit covers at most
             # len - 1 tokens, in whole blocks (cached_tokens' semantics)
-            for h in hashes[: (len(ids) - 1) // size]:
+            usable = hashes[: (len(ids) - 1) // size]
+            for h in usable:
                 if not (
                     self.index.holds(wid, h)
                     or (self.settings.hybrid and self.predicted.holds(wid, h, now))
                 ):
                     break
                 n += 1
-            out[wid] = n * size
+            host = 0
+            for h in usable[n:]:
+                if not self.index.holds_host(wid, h):
+                    break
+                host += 1
+            out[wid] = ((n + host) * size, host * size)
         return out
 
     def dispatched(self, worker_id: str, ids: Sequence[int] | None, namespace: Namespace) -> None:

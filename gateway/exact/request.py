@@ -42,9 +42,9 @@ class ExactMatcher(Protocol):
 
     def wants_tokens(self, worker_ids: Iterable[str]) -> bool: ...
 
-    def match(
+    def match_tiers(
         self, ids: Sequence[int] | None, namespace: Namespace, worker_ids: Iterable[str]
-    ) -> dict[str, int]: ...
+    ) -> dict[str, tuple[int, int]]: ...
 
     def dispatched(
         self, worker_id: str, ids: Sequence[int] | None, namespace: Namespace
@@ -59,7 +59,9 @@ class ExactRequest:
     """One request as exact mode sees it; tokenized lazily, at most once per tokenizer
     (workers of one model share theirs: usually one tokenization per request)."""
 
-    __slots__ = ("_body", "_executor", "_kind", "_mgr", "_offload_bytes", "_tokens", "skipped")
+    __slots__ = (
+        "_body", "_executor", "_host", "_kind", "_mgr", "_offload_bytes", "_tokens", "skipped",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -77,6 +79,7 @@ class ExactRequest:
         # A body over ``max_bytes`` is never tokenized (no JSON parse either); its workers
         # are matched by the approximate index.
         self.skipped = max_bytes is not None and len(body) > max_bytes
+        self._host: dict[str, int] = {}  # the last match's host-tier part, per worker
 
     def _groups(self, worker_ids: Sequence[str]) -> dict[int, tuple[Tokenizer, list[str]]]:
         """The followed workers among ``worker_ids``, by tokenizer; {} when none is (or
@@ -118,11 +121,20 @@ class ExactRequest:
 
     def match(self, worker_ids: Sequence[str]) -> dict[str, int]:
         """Matched tokens of the workers in exact mode (others absent; all absent for a
-        body too large to tokenize)."""
+        body too large to tokenize); their host-tier parts in :meth:`host_tokens`."""
         out: dict[str, int] = {}
+        host = self._host = {}
         for tok, wids in self._groups(worker_ids).values():
-            out.update(self._mgr.match(*self.tokens(tok), wids))
+            for wid, (tokens, on_host) in self._mgr.match_tiers(*self.tokens(tok), wids).items():
+                out[wid] = tokens
+                if on_host:
+                    host[wid] = on_host
         return out
+
+    def host_tokens(self) -> dict[str, int]:
+        """Of the last :meth:`match`, the tokens on each worker's host tier (HiCache; only
+        workers with some)."""
+        return self._host
 
     def dispatched(self, worker_id: str) -> None:
         tok = self._mgr.tokenizer_for(worker_id)

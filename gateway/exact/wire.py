@@ -2,6 +2,9 @@
 
 * :func:`decode_batch` reads an ``EventBatch`` in either encoding (0.5.23 tagged maps,
   ≤0.5.18 tagged arrays), ignoring unknown keys, unknown events and trailing elements;
+  a block event's ``medium`` (``"GPU"``, HiCache's host copies ``"CPU_PINNED"``, L3's
+  ``"DISK"`` / ``"EXTERNAL"``; absent before 0.5.9 and when null) is kept as
+  :data:`GPU`, :data:`HOST` or :data:`OTHER` (:func:`medium_of`);
 * :class:`Descriptor` is a worker's ``kv_events`` entry of ``/server_info``: where its
   publisher and replay endpoints listen, its topic, block size and DP size;
   :func:`same_host` says whether that host is the worker URL's own;
@@ -26,6 +29,23 @@ END_SEQ = 2**64 - 1  # the sequence number that ends a replay answer
 SEQ = struct.Struct(">Q")  # a sequence-number frame
 
 
+# Where a block event's copy is (SGLang's ``StorageMedium``): the GPU (also every event
+# without a medium), the host memory of HiCache (``CPU_PINNED``; ``CPU`` accepted), or a
+# storage tier the gateway does not follow (``DISK``, ``EXTERNAL``, anything else).
+GPU, HOST, OTHER = "gpu", "host", "other"
+_HOST_MEDIA = frozenset({"CPU_PINNED", "CPU"})
+
+
+def medium_of(raw: object) -> str:
+    """A wire ``medium`` as :data:`GPU`, :data:`HOST` or :data:`OTHER`."""
+    if raw is None:
+        return GPU
+    name = raw.upper() if isinstance(raw, str) else ""
+    if name == "GPU":
+        return GPU
+    return HOST if name in _HOST_MEDIA else OTHER
+
+
 @dataclass(slots=True)
 class Stored:
     block_hashes: list[int]
@@ -34,11 +54,13 @@ class Stored:
     block_size: int
     cache_salt: str | None = None
     lora_name: str | None = None
+    medium: str = GPU  # GPU, HOST or OTHER (:func:`medium_of`)
 
 
 @dataclass(slots=True)
 class Removed:
     block_hashes: list[int]
+    medium: str = GPU
 
 
 @dataclass(slots=True)
@@ -59,9 +81,10 @@ def _event_from_map(raw: Mapping[str, Any]) -> Event | None:
             int(raw.get("block_size") or 0),
             raw.get("cache_salt"),
             raw.get("lora_name"),
+            medium_of(raw.get("medium")),
         )
     if kind == "BlockRemoved":
-        return Removed(list(raw.get("block_hashes") or []))
+        return Removed(list(raw.get("block_hashes") or []), medium_of(raw.get("medium")))
     if kind == "AllBlocksCleared":
         return Cleared()
     return None
@@ -71,9 +94,12 @@ def _event_from_array(raw: Sequence[Any]) -> Event | None:
     kind = raw[0] if raw else None
     if kind in ("BlockStored", "BlockStoredWithMetadata") and len(raw) >= 5:
         meta = next((x for x in raw[7:] if isinstance(x, dict)), {})
-        return Stored(list(raw[1]), raw[2], list(raw[3]), int(raw[4]), meta.get("cache_salt"), None)
+        medium = medium_of(raw[6] if len(raw) > 6 else None)
+        return Stored(
+            list(raw[1]), raw[2], list(raw[3]), int(raw[4]), meta.get("cache_salt"), None, medium
+        )
     if kind == "BlockRemoved" and len(raw) >= 2:
-        return Removed(list(raw[1]))
+        return Removed(list(raw[1]), medium_of(raw[2] if len(raw) > 2 else None))
     if kind == "AllBlocksCleared":
         return Cleared()
     return None

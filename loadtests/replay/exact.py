@@ -48,15 +48,22 @@ class KnownTokens:
     the same calls on the manager, without tokenizing a body (the routing core's
     ``ExactRequest`` protocol)."""
 
-    __slots__ = ("_ids", "_mgr")
+    __slots__ = ("_host", "_ids", "_mgr")
 
     def __init__(self, mgr: KVEventsManager, ids: list[int]) -> None:
         self._mgr, self._ids = mgr, ids
+        self._host: dict[str, int] = {}
 
     def match(self, worker_ids: Sequence[str]) -> Mapping[str, int]:
+        self._host = {}
         if not self._mgr.wants_tokens(worker_ids):
             return {}
-        return self._mgr.match(self._ids, _NO_NAMESPACE, worker_ids)
+        tiers = self._mgr.match_tiers(self._ids, _NO_NAMESPACE, worker_ids)
+        self._host = {w: host for w, (_, host) in tiers.items() if host}
+        return {w: tokens for w, (tokens, _) in tiers.items()}
+
+    def host_tokens(self) -> Mapping[str, int]:
+        return self._host
 
     def dispatched(self, worker_id: str) -> None:
         if self._mgr.wants_tokens([worker_id]):
@@ -80,13 +87,18 @@ class ReplayExact:
         clock: Callable[[], float],
         hybrid: bool = True,
         delay_s: float = DEFAULT_EVENT_DELAY_S,
+        host_tier: bool = True,
     ) -> None:
+        """``host_tier``: read HiCache's host copies (``CPU_PINNED``) as a tier (False:
+        the GPU's events only, as the gateway before issue 20)."""
         if delay_s < 0:
             raise ValueError("the event delay must not be negative")
         settings = replace(KVEventsConfig(), hybrid=hybrid)
         # no session: the replay never runs discovery (workers are followed below)
         session = cast(Any, None)
-        self.manager = KVEventsManager(settings, default_tokenizer(), list, session, clock)
+        self.manager = KVEventsManager(
+            settings, default_tokenizer(), list, session, clock, host_tier=host_tier
+        )
         for wid in worker_ids:
             desc = Descriptor("replay", 0, "", block_size, 1, None)
             self.manager.follow(wid, desc)

@@ -12,9 +12,9 @@ from) and :meth:`ModelWorker.kv_batch` hands out what it recorded as the payload
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from policies.base import EngineLoad
 from simulator.config import SimConfig
@@ -33,6 +33,7 @@ class SimOutput:
     first_token: bool
     finished: bool
     cached_tokens: int
+    cached_host: int = 0  # of cached_tokens, loaded back from the host tier (HiCache)
 
 
 class SimWorker(Protocol):
@@ -86,7 +87,7 @@ class ModelWorker:
         if result is None:
             return None
         outputs = [
-            SimOutput(o.rid, o.first_token, o.finish is not None, o.cached_tokens)
+            SimOutput(o.rid, o.first_token, o.finish is not None, o.cached_tokens, o.cached_host)
             for o in result.outputs
             if o.first_token or o.finish is not None
         ]
@@ -135,10 +136,12 @@ def make_workers(
     profile: str | None,
     page_size: int = 1,
     kv_events: bool = False,
+    hicache: Mapping[str, Any] | None = None,
 ) -> list[SimWorker]:
     """``count`` simulated workers of ``capacity_tokens`` KV each, configured as the HTTP
     simulator configures its workers (``simulator.config.SimConfig`` defaults), recording
-    KV events if ``kv_events``."""
+    KV events if ``kv_events``; ``hicache``: the HiCache fields of ``SimConfig``
+    (``enable_hierarchical_cache``, ``hicache_ratio``, ...)."""
     config = SimConfig(capacity_tokens=capacity_tokens, profile=resolve_profile(profile).name,
-                       page_size=page_size)  # fmt: skip
+                       page_size=page_size, **dict(hicache or {}))  # fmt: skip
     return [ModelWorker(config, kv_events) for _ in range(count)]
