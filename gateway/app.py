@@ -320,6 +320,8 @@ def _follow_membership(
             # a DP rank's capacity is per rank (SGLang reports it per rank)
             for target in worker.targets():
                 index.set_capacity(target.id, meta.capacity_tokens or None, meta.max_sequences)
+                # HiCache's host tier (None: none, or no longer: its host blocks go)
+                index.set_host_capacity(target.id, meta.host_capacity_tokens)
 
     def forget_target(target: Worker) -> None:
         routing.tokens.forget_worker(target.id)
@@ -433,6 +435,7 @@ async def _runtime(
         ttft_estimate(),
         model_policies=per_model,
     )
+    core.tiers = index  # the host tier of the approximate index (HiCache workers)
     app[tuning.POLICY_CONTROL] = _policy_control(config, core, telemetry, snapshot)
     app[app_keys.ROUTER] = Router(
         config=config,

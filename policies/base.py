@@ -80,6 +80,10 @@ class WorkerView:
     capacity_tokens: int | None = None  # KV capacity reported by the worker
     engine_load: EngineLoad | None = None
     matched_tokens: int = 0  # this request's prefix believed cached there
+    # of ``matched_tokens``, the part believed on the worker's host tier (HiCache), which
+    # the engine loads back over PCIe before the prefill rather than recomputes; the
+    # rest is on the GPU. 0 when the gateway knows no host tier there (or is tier-blind).
+    matched_host_tokens: int = 0
     cost: WorkerCost = field(default_factory=WorkerCost)
     # prompts it can still cache without evicting one, when a number of prompts (slots)
     # binds rather than tokens (llama.cpp); None: no such bound known

@@ -11,6 +11,12 @@ field is ``None``: PERFORMANCE.md section 3, Llama-3-8B on an H100):
                                               the step a new prefill waits behind
     prefill_s = fixed + per_token * u + pair * u * (m + u / 2)
                                               u = prompt_tokens - m uncached, m matched
+    load_s    = host_fixed + host_per_token * h   h = matched_host_tokens, the part of the
+                                              match on the worker's host tier (HiCache),
+                                              loaded back instead of computed; then
+                                              prefill_s = max(prefill_s, load_s) (SGLang
+                                              overlaps the load with the compute layer by
+                                              layer; the simulator's step takes the longer)
     estimate  = queue_s + decode_s + setup_s + prefill_s
                                               (the decision record's score, seconds;
                                               setup_s: a LoRA adapter load, if one is
@@ -122,6 +128,15 @@ DEFAULT_PER_TOKEN_S = 22e-6
 DEFAULT_FIXED_S = 5e-3
 DEFAULT_PAIR_S = 1.3e-9
 DEFAULT_DECODE_STEP_S = 6.5e-3
+# A host-tier hit (HiCache) loaded back over the GPU's PCIe link: Llama-3-8B's KV is
+# 131,072 bytes per token (32 layers x 2 x 8 KV heads x 128 x 2 bytes, its config.json)
+# over PCIe 5.0 x16's 63 GB/s each way at 85 % (pinned host-to-device copies: NVIDIA's
+# nvbandwidth reports ~55.6 GB/s on a Gen5 host): 2.45 us per token, 9x cheaper than its
+# prefill (22 us); 0.2 ms per load is assumed (kernel launches, per-layer completion).
+# The simulator's default --hicache-link (simulator/model/transfer.py) uses the same
+# figures. Gen4 x16 (A100): twice the per-token time; a GH200's NVLink-C2C: ~0.36 us.
+DEFAULT_HOST_LOAD_PER_TOKEN_S = 2.45e-6
+DEFAULT_HOST_LOAD_FIXED_S = 0.2e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +194,14 @@ class MinTtftPolicy(Policy):
         affinity_factor: float = 100.0,
         affinity_s: float = 0.0,
         affinity_max_s: float = 5.0,
+        host_load_per_token_s: float = DEFAULT_HOST_LOAD_PER_TOKEN_S,
+        host_load_fixed_s: float = DEFAULT_HOST_LOAD_FIXED_S,
     ) -> None:
+        host = (host_load_per_token_s, host_load_fixed_s)
+        if not all(math.isfinite(x) and x >= 0 for x in host):
+            raise ValueError("host_load_per_token_s and host_load_fixed_s must be >= 0")
+        # 0 and 0: tier-blind (a host hit costs what a GPU hit costs)
+        self._host_per_token, self._host_fixed = host
         numbers = (work_weight, tolerance_s, tolerance_rel, load_factor, decode_request_s,
                    hot_margin, exploit_ratio, affinity_factor, affinity_s,
                    affinity_max_s)  # fmt: skip
@@ -237,6 +259,9 @@ class MinTtftPolicy(Policy):
         matched = max(0, min(worker.matched_tokens, prompt_tokens))
         uncached = max(1, prompt_tokens - matched)  # the engine always computes >= 1 token
         prefill_s = fixed + per_token * uncached + pair * uncached * (matched + uncached / 2)
+        host = min(worker.matched_host_tokens, matched)
+        if host > 0:  # loaded back from the host tier, overlapped with the compute
+            prefill_s = max(prefill_s, self._host_fixed + self._host_per_token * host)
         return queue_s + decode_s + worker.setup_s + prefill_s, prefill_s
 
     def select(self, ctx: RouteContext) -> Decision:
@@ -351,4 +376,6 @@ class MinTtftPolicy(Policy):
             "affinity_factor": self._affinity_factor,
             "affinity_s": self._affinity_s,
             "affinity_max_s": self._affinity_max_s,
+            "host_load_per_token_s": self._host_per_token,
+            "host_load_fixed_s": self._host_fixed,
         }

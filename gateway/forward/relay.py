@@ -72,6 +72,11 @@ _CACHED_MARKS = (b'"cached_tokens"', b'"cache_n"')
 # usage "prompt_tokens": the engine's count, from which routing learns its token ratio
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _OUTPUT = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# meta_info / sglext "cached_tokens_details": {"device": N, "host": M[, "storage": S,
+# "storage_backend": "..."]} (SGLang 0.5.9+, HiCache): a flat object, read bounded
+_DETAILS = re.compile(rb'"cached_tokens_details"\s*:\s*\{([^{}]{0,512})\}')
+_DETAILS_MARK = b'"cached_tokens_details"'
+_TIER = re.compile(rb'"(device|host|storage)"\s*:\s*(\d+)')
 _BAD_VALUE = re.compile(r"[\r\n\x00]")
 _DONE = b"[DONE]"
 # after [DONE], how much more of the worker's body is read (and dropped), and for how long
@@ -99,6 +104,16 @@ class AttemptFailed(Exception):
         self.worker: str | None = None  # which worker failed, when the caller must say (PD)
 
 
+@dataclass(frozen=True, slots=True)
+class CachedTiers:
+    """Where a worker's cached tokens came from (``cached_tokens_details``): its GPU, the
+    host tier it loaded them back from (HiCache), an L3 storage backend."""
+
+    device: int
+    host: int
+    storage: int = 0
+
+
 @dataclass(slots=True)
 class Outcome:
     """What one relayed answer turned out to be."""
@@ -108,6 +123,9 @@ class Outcome:
     cached_tokens: int | None = None  # as the worker reported it
     prompt_tokens: int | None = None  # the worker's usage.prompt_tokens, if reported
     output_tokens: int | None = None  # the worker's usage.completion_tokens, if reported
+    # the worker's cached_tokens_details (/generate's meta_info; the OpenAI routes' sglext
+    # when the client asked return_cached_tokens_details), if reported
+    cached_tiers: CachedTiers | None = None
     failed_mid_stream: bool = False
     client_gone: bool = False
 
@@ -159,6 +177,16 @@ def cached_tokens(data: bytes) -> int | None:
     llama.cpp's ``"cache_n": N`` (``timings``, in a stream's last chunk even without
     ``stream_options.include_usage``)."""
     return _last_count(_CACHED, data)
+
+
+def cached_tiers(data: bytes) -> CachedTiers | None:
+    """The last ``"cached_tokens_details": {...}`` object in ``data``, or None (absent,
+    or null: SGLang's answer without a hit)."""
+    found = _DETAILS.findall(data)
+    if not found:
+        return None
+    tiers = {k: int(v) for k, v in _TIER.findall(found[-1])}
+    return CachedTiers(tiers.get(b"device", 0), tiers.get(b"host", 0), tiers.get(b"storage", 0))
 
 
 def prompt_tokens(data: bytes) -> int | None:
@@ -225,6 +253,7 @@ async def relay(
     on_first_byte()
     outcome = Outcome(status, cached_tokens=cached_tokens(body), prompt_tokens=prompt_tokens(body))
     outcome.output_tokens = output_tokens(body)
+    outcome.cached_tiers = cached_tiers(body)
     if transform is not None and 200 <= status < 300:
         body = transform(body)
     response = web.Response(
@@ -309,7 +338,7 @@ async def _relay_sse(
     framer = EventFramer(limits.max_event_bytes)
     watch = _WriteWatch(request, limits.client_stall_s)
     loop = asyncio.get_running_loop()
-    last_usage = last_prompt = b""
+    last_usage = last_prompt = last_details = b""
     delivered = False  # the client has [DONE]: from then on its leaving loses it nothing
     try:
         try:
@@ -322,6 +351,8 @@ async def _relay_sse(
                         last_usage = events
                     if b'"prompt_tokens"' in events:
                         last_prompt = events
+                    if _DETAILS_MARK in events:
+                        last_details = events
                     if transform is not None:
                         events = transform(events)
                     await _write(response, events, watch, loop)
@@ -364,6 +395,7 @@ async def _relay_sse(
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
     outcome.prompt_tokens = prompt_tokens(last_prompt) if last_prompt else None
     outcome.output_tokens = output_tokens(last_prompt) if last_prompt else None
+    outcome.cached_tiers = cached_tiers(last_details) if last_details else None
     try:
         await _client_write(response, response.write_eof())
     except (asyncio.CancelledError, ClientGone):

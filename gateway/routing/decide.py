@@ -18,6 +18,13 @@ Contract:
   loaded worker. One candidate and a policy that ignores the match: no policy call.
   The choice keeps the longest match on any candidate (``Choice.available_tokens``, the
   *available* of routing capture: ``docs/TELEMETRY.md``), None when no index was matched.
+  Cache tiers (HiCache, issue 20): each view's ``matched_host_tokens`` is the part of
+  its match believed on the worker's host tier: exact mode's from the ``CPU_PINNED``
+  events (``ExactRequest.host_tokens``), the approximate index's from its host tier
+  (``tiers``, set by the owner: ``PrefixIndex.device_blocks``); the policy prices it
+  (``min_ttft``: a load back, between a GPU hit and a miss). Feedback hands the worker's
+  ``cached_tokens_details`` (``CachedTiers``) to the index's tier estimate
+  (``observe_tiers``).
 - :meth:`RoutingCore.dispatch`: the prompt is recorded in the index under the chosen
   worker at dispatch, before the worker answers (so a burst sharing a prefix
   co-locates), and a :class:`~gateway.routing.lease.Lease` counts the request there.
@@ -36,9 +43,10 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from gateway.forward.relay import CachedTiers
 from gateway.routing.lease import Lease
 from gateway.routing.policy_set import PolicySet, ShadowPick
 from gateway.routing.request import ApiKind, RouteRequest
@@ -70,10 +78,25 @@ class PrefixMatcher(Protocol):
     def free_sequences(self, worker_id: str) -> int | None: ...
 
 
+class TierIndex(Protocol):
+    """What the core needs of the approximate index's host tier (``PrefixIndex``)."""
+
+    def device_blocks(self, worker_id: str, block_hashes: Sequence[int], matched: int) -> int: ...
+    def observe_tiers(
+        self,
+        worker_id: str,
+        predicted_device_blocks: int,
+        predicted_host_blocks: int,
+        reported_device_tokens: int,
+        reported_host_tokens: int,
+    ) -> None: ...
+
+
 class ExactRequest(Protocol):
     """Exact mode's view of one request (``gateway.exact.request.ExactRequest``)."""
 
     def match(self, worker_ids: Sequence[str]) -> Mapping[str, int]: ...
+    def host_tokens(self) -> Mapping[str, int]: ...  # of the last match, on the host tier
     def dispatched(self, worker_id: str) -> None: ...
     def mode(self, worker_id: str) -> str: ...
     def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None: ...
@@ -106,6 +129,11 @@ class Choice:
     # the longest match on any candidate (routing capture's *available*); None when no
     # index was consulted (a policy set that ignores the match, or nothing to hash)
     available_tokens: int | None = None
+    # of ``matched_tokens``, the part believed on ``worker``'s host tier (HiCache)
+    matched_host_tokens: int = 0
+    # the approximate index's host part of ``predicted_blocks`` (None: the match on
+    # ``worker`` came from exact mode's events, or the core reads no tiers)
+    predicted_host_blocks: int | None = None
 
 
 TtftEstimate = Callable[[WorkerView, int], float]  # (view, prompt tokens) -> seconds
@@ -132,6 +160,9 @@ class RoutingCore:
         self.rng = rng
         self.tokens = tokens
         self._ttft = ttft_estimate  # the common yardstick of shadow comparisons
+        # the approximate index's host tier, set by the owner (None: every match is
+        # believed on the GPU; exact mode's host parts are read all the same)
+        self.tiers: TierIndex | None = None
         self.shadow_failures: dict[str, int] = {}  # shadow policy -> selects that raised
 
     def configure(self, policies: PolicySet) -> None:
@@ -184,6 +215,9 @@ class RoutingCore:
             )
             for w in workers
         ]
+        host_blocks: dict[str, int] = {}
+        if exact_tokens or (matches and self.tiers is not None):
+            views = self._tiers(req, views, matches, exact, exact_tokens, host_blocks)
         arm, policy = policies.arm(req)
         decision = self._select(req, views, policy, self.rng)
         worker = next((w for w in workers if w.id == decision.worker_id), workers[0])
@@ -191,11 +225,42 @@ class RoutingCore:
         choice = Choice(
             worker, decision, views, matches.get(worker.id, 0), matched, indexed, policy, arm
         )
+        if exact_tokens or host_blocks:
+            view = next((v for v in views if v.id == worker.id), None)
+            choice.matched_host_tokens = 0 if view is None else view.matched_host_tokens
+        if indexed and self.tiers is not None and worker.id not in exact_tokens:
+            choice.predicted_host_blocks = host_blocks.get(worker.id, 0)
         if indexed or exact is not None:
             choice.available_tokens = max(v.matched_tokens for v in views)
         if policies.shadows and req.kind is not ApiKind.EMBEDDINGS:
             self._shadows(req, choice, policies)
         return choice
+
+    def _tiers(
+        self,
+        req: RouteRequest,
+        views: list[WorkerView],
+        matches: Mapping[str, int],
+        exact: ExactRequest | None,
+        exact_tokens: Mapping[str, int],
+        host_blocks: dict[str, int],
+    ) -> list[WorkerView]:
+        """``views`` with each one's host-tier part of its match (see "Cache tiers");
+        ``host_blocks`` gets the approximate index's host blocks per worker."""
+        exact_host = exact.host_tokens() if exact is not None and exact_tokens else {}
+        tiers = self.tiers
+        out = []
+        for v in views:
+            host = 0
+            if v.id in exact_tokens:
+                host = exact_host.get(v.id, 0)
+            elif tiers is not None and (blocks := matches.get(v.id, 0)) > 0:
+                device = tiers.device_blocks(v.id, req.block_hashes, blocks)
+                if device < blocks:
+                    host_blocks[v.id] = blocks - device
+                    host = v.matched_tokens - req.matched_tokens(device)
+            out.append(replace(v, matched_host_tokens=host) if host > 0 else v)
+        return out
 
     def _shadows(self, req: RouteRequest, choice: Choice, policies: PolicySet) -> None:
         by_id = {v.id: v for v in choice.views}
@@ -277,10 +342,23 @@ class RoutingCore:
                 self.index.release(wid, req.block_hashes, now)
         if exact is not None and reported is not None and choice.index_mode is not None:
             exact.observe(wid, choice.index_mode, choice.matched_tokens, reported)
+        tiers = reported_tiers(outcome)
+        host = choice.predicted_host_blocks
+        if tiers is not None and self.tiers is not None and host is not None:
+            device = choice.predicted_blocks - host
+            self.tiers.observe_tiers(wid, device, host, tiers.device, tiers.host)
         if outcome.ttft_s is not None and outcome.status == 200:
             known = reported if reported is not None else choice.matched_tokens
             uncached = max(0, req.prompt_tokens - known)
             self.costs.observe(wid, uncached, lease.queued_ahead, outcome.ttft_s)
+
+
+def reported_tiers(outcome: ResponseOutcome) -> CachedTiers | None:
+    """The worker's ``cached_tokens_details`` from an outcome that carries them
+    (``relay.Outcome.cached_tiers``, the replay's), else None: read apart from the
+    protocol, so that outcomes without tiers need not name them."""
+    tiers = getattr(outcome, "cached_tiers", None)
+    return tiers if isinstance(tiers, CachedTiers) else None
 
 
 class ResponseOutcome(Protocol):

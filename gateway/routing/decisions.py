@@ -7,7 +7,10 @@ is over (status, TTFT, the worker's reported cached tokens, retries), so the rin
 the prediction next to what the worker then reported. Routing capture per request
 (``docs/TELEMETRY.md``): :attr:`DecisionRecord.available_tokens` (the longest match on
 any candidate), :attr:`DecisionRecord.matched_tokens` (captured, at the chosen worker),
-the outcome's ``reported_cached_tokens`` (delivered).
+the outcome's ``reported_cached_tokens`` (delivered). Cache tiers (HiCache):
+:attr:`DecisionRecord.matched_host_tokens` (of the match, the part believed on the
+chosen worker's host tier) beside the outcome's ``reported_device_tokens`` /
+``reported_host_tokens`` (the worker's ``cached_tokens_details``, when it answered them).
 
 Contract: a record never holds prompt text, only counts, ids and scores. The log holds at
 most ``capacity`` records; the oldest are dropped first. Both are used from the event
@@ -39,11 +42,16 @@ class CandidateScore(NamedTuple):
     worker: str
     matched_tokens: int
     score: float | None = None
+    matched_host_tokens: int = 0  # of matched_tokens, on its host tier (HiCache)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form; a non-finite score becomes ``None``."""
+        """JSON-ready form; a non-finite score becomes ``None``; ``matched_host_tokens``
+        only when some of the match is on the host tier."""
         score = self.score if self.score is not None and math.isfinite(self.score) else None
-        return {"worker": self.worker, "matched_tokens": self.matched_tokens, "score": score}
+        out = {"worker": self.worker, "matched_tokens": self.matched_tokens, "score": score}
+        if self.matched_host_tokens:
+            out["matched_host_tokens"] = self.matched_host_tokens
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,10 @@ class DecisionOutcome:
     duration_s: float | None = None
     reported_prompt_tokens: int | None = None  # the worker's usage.prompt_tokens
     output_tokens: int | None = None  # the worker's usage.completion_tokens
+    # the worker's cached_tokens_details: of its cached tokens, on its GPU and loaded
+    # from its host tier (HiCache); None: not reported
+    reported_device_tokens: int | None = None
+    reported_host_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -64,6 +76,8 @@ class DecisionOutcome:
             "status": self.status,
             "ttft_s": self.ttft_s,
             "reported_cached_tokens": self.reported_cached_tokens,
+            "reported_device_tokens": self.reported_device_tokens,
+            "reported_host_tokens": self.reported_host_tokens,
             "retries": self.retries,
             "duration_s": self.duration_s,
             "reported_prompt_tokens": self.reported_prompt_tokens,
@@ -97,6 +111,8 @@ class DecisionRecord:
     # the longest match on any candidate (``Choice.available_tokens``: routing capture's
     # *available*, ``matched_tokens`` its *captured*); None: no index was consulted
     available_tokens: int | None = None
+    # of ``matched_tokens``, the part believed on the chosen worker's host tier (HiCache)
+    matched_host_tokens: int = 0
 
     @classmethod
     def from_decision(
@@ -112,8 +128,12 @@ class DecisionRecord:
     ) -> DecisionRecord:
         """Build a record from a policy's decision and the candidates it was given."""
         scores: Mapping[str, float] = decision.scores
-        cands = tuple(CandidateScore(c.id, c.matched_tokens, scores.get(c.id)) for c in candidates)
-        matched = next((c.matched_tokens for c in candidates if c.id == decision.worker_id), 0)
+        cands = tuple(
+            CandidateScore(c.id, c.matched_tokens, scores.get(c.id), c.matched_host_tokens)
+            for c in candidates
+        )
+        chosen = next((c for c in candidates if c.id == decision.worker_id), None)
+        matched = 0 if chosen is None else chosen.matched_tokens
         return cls(
             time=time.time() if now is None else now,
             request_id=request_id,
@@ -124,6 +144,7 @@ class DecisionRecord:
             prompt_tokens=prompt_tokens,
             matched_tokens=matched,
             model=model,
+            matched_host_tokens=0 if chosen is None else chosen.matched_host_tokens,
         )
 
     @property
@@ -144,6 +165,7 @@ class DecisionRecord:
             "reason": self.reason,
             "prompt_tokens": self.prompt_tokens,
             "matched_tokens": self.matched_tokens,
+            "matched_host_tokens": self.matched_host_tokens,
             "available_tokens": self.available_tokens,
             "candidates": [c.to_dict() for c in self.candidates],
             "outcome": None if self.outcome is None else self.outcome.to_dict(),

@@ -86,6 +86,23 @@ recording). ``correction_tolerance`` absorbs the error of the characters-per-tok
 estimate. Predicted and reported cached tokens are counted per worker: the index's
 fidelity.
 
+Host tier (HiCache, issue 20; ``set_host_capacity``): a worker running SGLang's
+``--enable-hierarchical-cache`` keeps what its GPU evicts in host memory and loads it back
+for a request that matches it. Per such worker, ``host`` holds the blocks believed
+demoted: a block the device LRU evicts moves there (front = first demoted) instead of
+being forgotten, and leaves it when the host bound (the worker's host-only capacity in
+blocks) pushes it out, or when a recording touches it again (the engine loads it back to
+the GPU: it is in the device LRU, or pinned, from then on). Each held block is in exactly
+one of ``pins``, ``lru`` and ``host``; ``match`` sees all three (the holder bit), and the
+device part of a match is prefix-closed as the whole is (demotion takes a chain from its
+tail, as the engine's device eviction takes leaves), so :meth:`device_blocks` finds it by
+bisection. The device bound is ``capacity_tokens`` times the worker's ``device_share``,
+1.0 until the engine's reports (``cached_tokens_details``: :meth:`observe_tiers`) show
+that fewer of the prompts the gateway recorded fit on its GPU (it also caches the output
+tokens and holds running requests' KV there). Memory: the host dict is bounded by its
+capacity as the LRU is by its own (both capped by ``max_blocks_per_worker``). The tier
+adds about 130 lines to the class for the reason above: its blocks share the invariant.
+
 Not thread-safe; used from one event loop (or one replay) only. Times are seconds on one
 monotonic clock (``time.monotonic`` unless the caller passes ``now``).
 """
@@ -115,6 +132,11 @@ _MAX_INFLIGHT = 4096
 # A recording not released by ``correct`` or ``release`` within this many seconds stops
 # pinning its blocks (a response whose end was never reported, e.g. a lost task).
 DEFAULT_PIN_TTL_S = 300.0
+# Host tier (see "Host tier"): each report that shows the device part of a match off by
+# more than the tolerance moves the worker's device share by this factor, never below
+# the floor (a GPU holding under a tenth of the recorded prompts is no longer a tier).
+_SHARE_STEP = 0.02
+_MIN_DEVICE_SHARE = 0.1
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -159,6 +181,12 @@ class _WorkerBlocks:
     inflight: OrderedDict[int, tuple[Sequence[int], float]] = field(default_factory=OrderedDict)
     # last block of an in-flight chain -> its recordings' sequence numbers, oldest first
     inflight_by_leaf: dict[int, list[int]] = field(default_factory=dict)
+    # host tier (see "Host tier"): blocks believed demoted to host memory -> last touch,
+    # insertion order = demotion order; bounded by ``host_capacity`` blocks (0: none)
+    host: dict[int, float] = field(default_factory=dict)
+    host_capacity: int = 0
+    host_tokens: int | None = None  # the host-only capacity as the worker told it
+    device_share: float = 1.0  # of ``capacity_tokens``, the part believed to hold prompts
 
 
 class PrefixIndex:
@@ -218,6 +246,9 @@ class PrefixIndex:
                 self._clear(h, state.bit)
             for h in state.pins:
                 self._clear(h, state.bit)
+            for h in state.host:
+                self._clear(h, state.bit)
+            state.host.clear()
             state.lru.clear()
             state.fresh.clear()
             state.pins.clear()
@@ -239,10 +270,12 @@ class PrefixIndex:
         state.block_tokens = block_tokens
         if state.capacity_tokens is not None:
             self._resize(state)
+        if state.host_tokens:
+            self._resize_host(state)
 
     def _resize(self, state: _WorkerBlocks) -> None:
         assert state.capacity_tokens is not None
-        blocks = math.ceil(state.capacity_tokens / state.block_tokens)
+        blocks = math.ceil(state.capacity_tokens * state.device_share / state.block_tokens)
         state.capacity = self._cap(max(1, blocks))
         self._evict_over_capacity(state)
 
@@ -312,6 +345,8 @@ class PrefixIndex:
             return
         state = self._state(worker_id)
         t = self._clock() if now is None else now
+        if state.host:
+            self._load_back(state, block_hashes)
         lru, holders, bit = state.lru, self._holders, state.bit
         first_new: int | None = None
         if state.max_sequences is None and pin:
@@ -396,6 +431,8 @@ class PrefixIndex:
         # the engine cannot lock more than its pool: release the oldest recordings first
         while len(pins) > state.capacity and inflight:
             self._release(state, next(iter(inflight)), None)
+        if state.host_capacity and state.max_sequences is None:
+            self._demote(state, len(lru) + len(pins) - state.capacity)
         excess = len(lru) + len(pins) - state.capacity
         if excess > 0:  # the least recently used, in one pass from the front
             for h in list(islice(lru, excess)):
@@ -437,6 +474,113 @@ class PrefixIndex:
         else:
             self._holders.pop(h, None)
 
+    # --- host tier (see "Host tier") -------------------------------------------------
+
+    def set_host_capacity(self, worker_id: str, host_tokens: int | None) -> None:
+        """The worker's host-only tier in tokens (HiCache: what its host pool keeps beyond
+        copies of GPU blocks); None or 0: no host tier, its host blocks forgotten.
+        Shrinking drops the first demoted blocks at once."""
+        if host_tokens is not None and host_tokens < 0:
+            raise ValueError("host_tokens must be >= 0")
+        state = self._state(worker_id)
+        state.host_tokens = host_tokens or None
+        self._resize_host(state)
+
+    def _resize_host(self, state: _WorkerBlocks) -> None:
+        tokens = state.host_tokens
+        state.host_capacity = self._cap(math.ceil(tokens / state.block_tokens)) if tokens else 0
+        self._drop_host_excess(state)
+
+    def _demote(self, state: _WorkerBlocks, excess: int) -> None:
+        """Move the device LRU's ``excess`` least recently used blocks to the host tier
+        (the engine's device eviction of backed-up leaves), then bound the host tier."""
+        if excess <= 0:
+            return
+        lru, host = state.lru, state.host
+        for h in list(islice(lru, excess)):
+            host[h] = lru.pop(h)
+        self._drop_host_excess(state)
+
+    def _drop_host_excess(self, state: _WorkerBlocks) -> None:
+        host = state.host
+        excess = len(host) - state.host_capacity
+        if excess > 0:  # the first demoted go first (the engine's host LRU)
+            for h in list(islice(host, excess)):
+                del host[h]
+                state.fresh.pop(h, None)
+                self._clear(h, state.bit)
+
+    def _load_back(self, state: _WorkerBlocks, block_hashes: Sequence[int]) -> None:
+        """A recording touches host blocks: the engine loads them back to the GPU, so they
+        rejoin the device LRU (the recording then touches or pins them as its own)."""
+        host, lru = state.host, state.lru
+        for h in block_hashes:
+            t = host.pop(h, None)
+            if t is not None:
+                lru[h] = t
+
+    def _drop_host(self, state: _WorkerBlocks, block_hashes: Sequence[int]) -> None:
+        host = state.host
+        for h in block_hashes:
+            if host.pop(h, None) is not None:
+                state.fresh.pop(h, None)
+                self._clear(h, state.bit)
+
+    def _drop_idle_host(self, state: _WorkerBlocks, horizon: float) -> int:
+        host = state.host
+        idle = [h for h, t in takewhile(lambda item: item[1] < horizon, host.items())]
+        for h in idle:
+            del host[h]
+            state.fresh.pop(h, None)
+            self._clear(h, state.bit)
+        return len(idle)
+
+    def device_blocks(self, worker_id: str, block_hashes: Sequence[int], matched: int) -> int:
+        """Of the worker's ``matched`` leading blocks of ``block_hashes`` (``match``'s
+        answer), how many are believed on its GPU; the rest are on its host tier. The
+        device part is prefix-closed (see "Host tier"): O(log matched) lookups."""
+        state = self._workers.get(worker_id)
+        matched = max(0, min(matched, len(block_hashes)))
+        if state is None or not state.host or matched == 0:
+            return matched
+        host = state.host
+        return bisect_left(range(matched), True, key=lambda i: block_hashes[i] in host)
+
+    def observe_tiers(
+        self,
+        worker_id: str,
+        predicted_device_blocks: int,
+        predicted_host_blocks: int,
+        reported_device_tokens: int,
+        reported_host_tokens: int,
+    ) -> None:
+        """A worker's ``cached_tokens_details`` against the tiers predicted for the same
+        request: its device part shorter than believed while the host supplied the rest
+        means its GPU holds fewer of the recorded prompts than the index's device bound
+        (the share shrinks by ``_SHARE_STEP``); longer than believed while a host part was
+        predicted, that it holds more (the share grows, up to 1). Workers with no host
+        tier are left alone (their ``cached_tokens`` already correct the index)."""
+        state = self._workers.get(worker_id)
+        if state is None or not state.host_capacity or state.capacity_tokens is None:
+            return
+        tol, bt = self._tolerance, state.block_tokens
+        reported_device = reported_device_tokens / bt
+        share, believed = state.device_share, predicted_device_blocks
+        if reported_host_tokens > 0 and reported_device < believed * (1 - tol) - 1:
+            share = max(_MIN_DEVICE_SHARE, share * (1.0 - _SHARE_STEP))
+        elif predicted_host_blocks > 0 and reported_device > believed * (1 + tol) + 1:
+            share = min(1.0, share * (1.0 + _SHARE_STEP))
+        if share != state.device_share:
+            state.device_share = share
+            self._resize(state)
+
+    def tiers(self, worker_id: str) -> tuple[int, int, float]:
+        """(device blocks, host blocks, device share) believed for the worker."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return 0, 0, 1.0
+        return len(state.lru) + len(state.pins), len(state.host), state.device_share
+
     # --- forget / correct / evict ----------------------------------------------------
 
     def forget_worker(self, worker_id: str) -> None:
@@ -446,6 +590,8 @@ class PrefixIndex:
         for h in state.lru:
             self._clear(h, state.bit)
         for h in state.pins:
+            self._clear(h, state.bit)
+        for h in state.host:
             self._clear(h, state.bit)
         del self._names[state.bit]
         self._free_bits.append(state.bit)
@@ -494,6 +640,8 @@ class PrefixIndex:
             return
         if self._recently_extended(state, block_hashes, real, predicted_blocks, t):
             return  # a sibling recorded moments ago is still in prefill there
+        if state.host:
+            self._drop_host(state, block_hashes[keep:])
         lru = state.lru
         for h in block_hashes[keep:]:
             if lru.pop(h, None) is not None:
@@ -523,6 +671,8 @@ class PrefixIndex:
         horizon, dropped = now - max_idle_s, 0
         for state in self._workers.values():
             self._expire_pins(state, now)
+            if state.host:
+                dropped += self._drop_idle_host(state, horizon)
             lru = state.lru
             # from the front, up to the first block touched since the horizon
             idle = [h for h, _ in takewhile(lambda item: item[1] < horizon, lru.items())]
@@ -539,7 +689,7 @@ class PrefixIndex:
         state = self._workers.get(worker_id)
         if state is None:
             return IndexStats(0, 0, 0, 0)
-        blocks = len(state.lru) + len(state.pins)
+        blocks = len(state.lru) + len(state.pins) + len(state.host)
         return IndexStats(
             blocks, blocks * APPROX_BYTES_PER_BLOCK, state.predicted_tokens, state.reported_tokens
         )
@@ -554,7 +704,7 @@ class PrefixIndex:
         if state is None:
             return []
         # pinned (in-flight) blocks first; reversed insertion puts a chain's root first
-        return [*reversed(state.pins), *reversed(state.lru)]
+        return [*reversed(state.pins), *reversed(state.lru), *reversed(state.host)]
 
     def free_sequences(self, worker_id: str) -> int | None:
         """Chains the worker can still take without evicting one (None: no sequence bound)."""

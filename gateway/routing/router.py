@@ -355,6 +355,7 @@ class Router:
             answered.server, OUTCOME_5XX if outcome.status >= 500 else OUTCOME_SUCCESS
         )
         self.core.feedback(call.req, choice, lease, outcome, self.registry.clock(), call.exact)
+        tiers = outcome.cached_tiers  # cached_tokens_details (HiCache), when answered
         record.outcome = DecisionOutcome(
             status=outcome.status,
             ttft_s=outcome.ttft_s,
@@ -363,6 +364,8 @@ class Router:
             duration_s=time.perf_counter() - call.started,
             reported_prompt_tokens=outcome.prompt_tokens,
             output_tokens=outcome.output_tokens,
+            reported_device_tokens=None if tiers is None else tiers.device,
+            reported_host_tokens=None if tiers is None else tiers.host,
         )
         self.hooks.completed(call.req, record)
         if outcome.failed_mid_stream:

@@ -190,6 +190,11 @@ def _end_span(
         attrs["gateway.prompt_tokens"] = record.prompt_tokens
         if record.available_tokens is not None:
             attrs["gateway.available_tokens"] = record.available_tokens
+        if record.matched_host_tokens:
+            attrs["gateway.matched_host_tokens"] = record.matched_host_tokens
+        out = record.outcome
+        if out is not None and out.reported_host_tokens is not None:
+            attrs["gateway.reported_host_tokens"] = out.reported_host_tokens
     if ttft_s is not None:
         attrs["gateway.ttft_s"] = ttft_s
     if reported is not None:
@@ -339,8 +344,11 @@ class Telemetry:
         if record is not None and status < 400:
             ws.tokens(record.prompt_tokens, record.matched_tokens, reported)
             ms.tokens(record.prompt_tokens, record.matched_tokens, reported)
-            self.capture.add(record.available_tokens, record.matched_tokens, reported)
-            ms.capture.add(record.available_tokens, record.matched_tokens, reported)
+            out = record.outcome
+            host = None if out is None else out.reported_host_tokens
+            avail, matched = record.available_tokens, record.matched_tokens
+            self.capture.add(avail, matched, reported, record.matched_host_tokens, host)
+            ms.capture.add(avail, matched, reported, record.matched_host_tokens, host)
         if record is not None and record.slot_wait_s is not None:
             self._m.slot_waits.labels(record.policy).observe(record.slot_wait_s)
 

@@ -283,7 +283,9 @@ class ModelStats(Tally):
         self._ttft.observe(ttft_s)
 
 
-CAPTURE_TOKEN_KINDS = ("available", "captured", "delivered", "reported_available")
+CAPTURE_TOKEN_KINDS = (
+    "available", "captured", "delivered", "reported_available", "captured_host", "delivered_host",
+)  # fmt: skip
 
 
 class Capture:
@@ -297,12 +299,19 @@ class Capture:
     an index (available known); delivered, and the available tokens it is compared with
     (``reported_available``), only over those the worker reported cached tokens for. The
     others are counted apart (``gateway_prefix_capture_requests``). Children appear on
-    first use."""
+    first use.
+
+    Cache tiers (HiCache): ``captured_host``, of the captured tokens those believed on the
+    chosen worker's host tier (over the same requests as captured); ``delivered_host``, of
+    the delivered tokens those the worker reported loaded from its host tier
+    (``cached_tokens_details``, over the requests that answered them). Both appear at
+    their first host token."""
 
     __slots__ = (
-        "_by_kind", "_delivered", "_known", "_labels", "_requests", "_tokens",
-        "available_tokens", "captured_tokens", "delivered_tokens", "reported_available_tokens",
-        "reported_requests", "requests", "unindexed_requests",
+        "_by_kind", "_delivered", "_host", "_known", "_labels", "_requests", "_tokens",
+        "available_tokens", "captured_host_tokens", "captured_tokens", "delivered_host_tokens",
+        "delivered_tokens", "reported_available_tokens", "reported_requests", "requests",
+        "tier_reports", "unindexed_requests",
     )  # fmt: skip
 
     def __init__(
@@ -316,6 +325,10 @@ class Capture:
         self._by_kind: list[CounterChild | None] = [None] * 4
         self._known: tuple[CounterChild, CounterChild] | None = None
         self._delivered: tuple[CounterChild, CounterChild] | None = None
+        self._host: dict[str, CounterChild] = {}  # captured_host, delivered_host
+        self.captured_host_tokens = 0
+        self.delivered_host_tokens = 0
+        self.tier_reports = 0  # requests whose worker answered cached_tokens_details
         self.available_tokens = 0
         self.captured_tokens = 0
         self.delivered_tokens = 0
@@ -336,13 +349,35 @@ class Capture:
         tokens, labels = self._tokens, self._labels
         return tokens.labels(*labels, first), tokens.labels(*labels, second)
 
-    def add(self, available: int | None, captured: int, delivered: int | None) -> None:
+    def _host_tokens(self, kind: str, tokens: int) -> None:
+        child = self._host.get(kind)
+        if child is None:
+            child = self._host[kind] = self._tokens.labels(*self._labels, kind)
+        child.inc(tokens)
+
+    def add(
+        self,
+        available: int | None,
+        captured: int,
+        delivered: int | None,
+        captured_host: int = 0,
+        delivered_host: int | None = None,
+    ) -> None:
         """One successful request: ``available`` None when no index was consulted,
-        ``delivered`` None when the worker reported no cached tokens."""
+        ``delivered`` None when the worker reported no cached tokens; their host-tier
+        parts (``delivered_host`` None: no ``cached_tokens_details``)."""
         self._count(available is not None, delivered is not None)
         if available is None:
             self.unindexed_requests += 1
             return
+        if captured_host > 0:
+            self.captured_host_tokens += captured_host
+            self._host_tokens("captured_host", captured_host)
+        if delivered is not None and delivered_host is not None:
+            self.tier_reports += 1
+            if delivered_host > 0:
+                self.delivered_host_tokens += delivered_host
+                self._host_tokens("delivered_host", delivered_host)
         self.requests += 1
         self.available_tokens += available
         self.captured_tokens += captured
@@ -369,6 +404,9 @@ class Capture:
             "available_tokens": avail,
             "captured_tokens": self.captured_tokens,
             "delivered_tokens": self.delivered_tokens,
+            "captured_host_tokens": self.captured_host_tokens,
+            "delivered_host_tokens": self.delivered_host_tokens,
+            "tier_reports": self.tier_reports,
             "reported_available_tokens": rep_avail,
             "captured_over_available": self.captured_tokens / avail if avail else None,
             "delivered_over_available": self.delivered_tokens / rep_avail if rep_avail else None,

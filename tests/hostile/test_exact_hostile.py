@@ -95,9 +95,7 @@ class _Mgr:
     def match(self, ids: Sequence[int] | None, namespace: Namespace, worker_ids: Any) -> Any:
         return {w: 0 if ids is None else len(ids) for w in worker_ids}
 
-    def match_tiers(
-        self, ids: Sequence[int] | None, namespace: Namespace, worker_ids: Any
-    ) -> Any:
+    def match_tiers(self, ids: Sequence[int] | None, namespace: Namespace, worker_ids: Any) -> Any:
         return {w: (t, 0) for w, t in self.match(ids, namespace, worker_ids).items()}
 
     def dispatched(self, worker_id: str, ids: Sequence[int] | None, ns: Namespace) -> None:

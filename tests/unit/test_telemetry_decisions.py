@@ -52,7 +52,7 @@ def test_from_decision_keeps_candidates_scores_and_no_prompt() -> None:
     assert doc["outcome"]["reported_cached_tokens"] == 40
     assert set(doc) == {
         "time", "request_id", "model", "policy", "worker", "reason", "prompt_tokens",
-        "matched_tokens", "available_tokens", "candidates", "outcome",
+        "matched_tokens", "matched_host_tokens", "available_tokens", "candidates", "outcome",
     }  # fmt: skip
     assert doc["available_tokens"] is None  # set by the router from the routing core's choice
     orjson.dumps(doc)
