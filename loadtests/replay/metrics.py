@@ -29,6 +29,10 @@ pure function of them; nothing is simulated.
   workers' caches at dispatch, ``predicted`` from what the gateway's index told the
   policy (:func:`routing_capture`). Delivered can exceed available: a sibling dispatched
   just before may be prefilled by the time this request's prefill starts.
+* ``tiers`` (HiCache workers): the hit rate split by where the workers found the cached
+  tokens (``device``: their GPU; ``host``: loaded back from their host tier, as
+  ``cached_tokens_details`` reports), and the host tokens the gateway predicted at the
+  chosen worker (``predicted_host_tokens``) against those reported.
 
 Without bounds (``bounds=None``: a run too long for OPT) every bound-derived figure is NaN.
 """
@@ -64,6 +68,8 @@ class RequestRecord:
     # the longest match the gateway predicted on any candidate (the routing core's views);
     # None when it consulted no index for this request (a policy that ignores the match)
     available_predicted_tokens: int | None = None
+    cached_host_tokens: int = 0  # of cached_tokens, loaded from the worker's host tier
+    predicted_host_tokens: int = 0  # of predicted_tokens, believed on its host tier
 
     @property
     def ttft_s(self) -> float | None:
@@ -171,6 +177,18 @@ def routing_capture(records: Sequence[RequestRecord]) -> dict[str, Any]:
     }
 
 
+def tiers(records: Sequence[RequestRecord], prompt_tokens: int) -> dict[str, float]:
+    """The hit rate by cache tier, and the host tokens predicted against those reported."""
+    host = sum(r.cached_host_tokens for r in records)
+    device = sum(r.cached_tokens for r in records) - host
+    return {
+        "device_hit_rate": _ratio(device, prompt_tokens),
+        "host_hit_rate": _ratio(host, prompt_tokens),
+        "reported_host_tokens": float(host),
+        "predicted_host_tokens": float(sum(r.predicted_host_tokens for r in records)),
+    }
+
+
 def summarize(
     records: Sequence[RequestRecord],
     intervals: Sequence[BusyInterval],
@@ -218,6 +236,7 @@ def summarize(
         "load_imbalance": load_imbalance(intervals, workers, window_s),
         "index_fidelity": index_fidelity(records),
         "routing_capture": routing_capture(records),
+        "tiers": tiers(records, prompt),
         "worker_share": {w: _ratio(n, len(records)) for w, n in sorted(share.items())},
         "makespan_s": max(finished, default=0.0),
         "utilisation": _ratio(busy, span * len(workers)),

@@ -48,6 +48,12 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("worker share", " ".join(_fmt(v, 2) for v in summary["worker_share"].values())),
     ]  # fmt: skip
     rows += lora_rows(summary.get("lora"))
+    tiers = summary.get("tiers")
+    if tiers and tiers.get("reported_host_tokens"):  # HiCache workers loaded some back
+        rows.append(("hit rate by tier: device / host", f"{_fmt(tiers['device_hit_rate'])} / "
+                     f"{_fmt(tiers['host_hit_rate'])}"))  # fmt: skip
+        rows.append(("host tokens predicted / reported", f"{tiers['predicted_host_tokens']:,.0f}"
+                     f" / {tiers['reported_host_tokens']:,.0f}"))  # fmt: skip
     exact = summary.get("exact")
     if exact is not None:
         modes = exact["fidelity"]

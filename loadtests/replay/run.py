@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config.policyspec import parse_params
+from gateway.workers.replies import host_tier_tokens
 from loadtests.replay.bounds import compute_bounds
 from loadtests.replay.exact import DEFAULT_EVENT_DELAY_S, ReplayExact
 from loadtests.replay.lora import (
@@ -65,6 +66,14 @@ class ReplayConfig:
     max_loras_per_batch: int = 4
     lora_load_s: float = 0.2
     lora_affinity: bool = True
+    # HiCache on the workers (simulator.model.hicache: SGLang's flags), and whether the
+    # gateway believes their host tier (False: the device-only index of before issue 20;
+    # exact mode then reads the GPU's events only)
+    hicache: bool = False
+    hicache_ratio: float | None = None
+    hicache_write_policy: str = "write_through"
+    hicache_link: str = "pcie-gen5-x16"
+    host_tier: bool = True
 
 
 def parse_policy_args(pairs: Sequence[str]) -> dict[str, Any]:
@@ -112,12 +121,16 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
     if config.exact:
         exact = functools.partial(_exact, config)
     if any(r.adapter for r in workload.requests):  # LoRA workers, adapter-aware routing
+        if config.hicache:
+            raise ValueError("the LoRA replay runs without HiCache")
         sim: Simulation = _lora_sim(config, workload, policy, builder, exact)
     else:
+        hicache = _hicache_fields(config)
         workers = make_workers(config.workers, config.capacity_tokens, config.profile,
-                               config.page_size, kv_events=config.exact)  # fmt: skip
+                               config.page_size, config.exact, hicache)  # fmt: skip
         sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare,
-                         seed=config.seed, exact=exact)  # fmt: skip
+                         seed=config.seed, exact=exact, host_tokens=_host_tokens(config),
+                         tier_reports=config.hicache)  # fmt: skip
     try:
         outcome = sim.run(workload.requests)
     finally:
@@ -143,6 +156,33 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
     return summary, outcome
 
 
+def _hicache_fields(config: ReplayConfig) -> dict[str, Any]:
+    """The workers' ``SimConfig`` HiCache fields ({} without HiCache)."""
+    if not config.hicache:
+        return {}
+    return {
+        "enable_hierarchical_cache": True,
+        "hicache_ratio": config.hicache_ratio,
+        "hicache_write_policy": config.hicache_write_policy,
+        "hicache_link": config.hicache_link,
+    }
+
+
+def _host_tokens(config: ReplayConfig) -> int | None:
+    """Each worker's host-only tier as the live gateway reads it from the arguments
+    ``/server_info`` shows (``gateway.workers.replies.host_tier_tokens``); None without
+    HiCache or when the gateway is to ignore the tier."""
+    if not (config.hicache and config.host_tier):
+        return None
+    device = config.capacity_tokens - config.capacity_tokens % config.page_size
+    info = {
+        "enable_hierarchical_cache": True,
+        "hicache_ratio": 2.0 if config.hicache_ratio is None else config.hicache_ratio,
+        "hicache_write_policy": config.hicache_write_policy,
+    }
+    return host_tier_tokens(info, device)
+
+
 def _lora_sim(
     config: ReplayConfig,
     workload: Workload,
@@ -166,7 +206,8 @@ def _lora_sim(
 
 def _exact(config: ReplayConfig, worker_ids: Sequence[str], clock: Callable[[], float]
            ) -> ReplayExact:  # fmt: skip
-    return ReplayExact(worker_ids, config.page_size, clock, config.hybrid, config.event_delay_s)
+    return ReplayExact(worker_ids, config.page_size, clock, config.hybrid, config.event_delay_s,
+                       host_tier=config.host_tier)  # fmt: skip
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -210,6 +251,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--lora-load-s", type=float, default=0.2, help="modelled s per load")
     lora.add_argument("--no-lora-affinity", action="store_true",
                       help="adapter-blind routing (the gateway's --no-lora-affinity)")  # fmt: skip
+    tiers = parser.add_argument_group("HiCache (the workers' host tier, issue 20)")
+    tiers.add_argument("--hicache", action="store_true",
+                       help="workers run --enable-hierarchical-cache")  # fmt: skip
+    tiers.add_argument("--hicache-ratio", type=float, default=None, help="default 2.0")
+    tiers.add_argument("--hicache-write-policy", default="write_through")
+    tiers.add_argument("--hicache-link", default="pcie-gen5-x16",
+                       help="simulator.model.transfer.HOST_LINK_PROFILES")  # fmt: skip
+    tiers.add_argument("--no-host-tier", action="store_true",
+                       help="the gateway ignores the host tier (the GPU's only)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output folder")
 
 
@@ -236,4 +286,9 @@ def config_from_args(ns: argparse.Namespace, time_scale: float) -> ReplayConfig:
         max_loras_per_batch=ns.max_loras_per_batch,
         lora_load_s=ns.lora_load_s,
         lora_affinity=not ns.no_lora_affinity,
+        hicache=ns.hicache,
+        hicache_ratio=ns.hicache_ratio,
+        hicache_write_policy=ns.hicache_write_policy,
+        hicache_link=ns.hicache_link,
+        host_tier=not ns.no_host_tier,
     )

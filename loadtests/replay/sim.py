@@ -20,6 +20,11 @@ applied a modelled delay after the step ends, and every decision gets the exact 
 of the workers in exact mode (as ``gateway.routing.router`` passes its ``ExactRequest``
 to the core's ``choose``, ``dispatch`` and ``feedback``).
 
+Cache tiers (HiCache workers, issue 20): the index is told each worker's host-only tier
+(``host_tokens``, as the live gateway reads it from ``/server_info``) and the core reads
+it (``RoutingCore.tiers``); the workers' reports carry ``cached_tokens_details``
+(``tier_reports``), as ``/generate``'s ``meta_info`` does on a HiCache worker.
+
 Events at the same instant: KV-event batches, then step completions, then arrivals (a token
 produced at ``t`` is seen by a request arriving at ``t``), ties in insertion order: the run
 is deterministic given the workload, the policy's rng seed and the model.
@@ -33,6 +38,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.forward.relay import CachedTiers
 from gateway.routing.cost_model import CostModel
 from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.lease import Lease
@@ -85,6 +91,7 @@ class _Outcome:
     cached_tokens: int | None
     prompt_tokens: int | None
     status: int = 200
+    cached_tiers: CachedTiers | None = None  # cached_tokens_details, when reported
 
 
 @dataclass(slots=True)
@@ -120,9 +127,13 @@ class Simulation:
         timeline_every_s: float = 1.0,
         engine_load_interval_s: float = 1.0,
         exact: Callable[[Sequence[str], Callable[[], float]], ReplayExact] | None = None,
+        host_tokens: int | None = None,
+        tier_reports: bool = False,
     ) -> None:
         """``exact``: builds the exact-mode consumer from the worker ids and the clock
-        (None: approximate only, as a gateway without KV events)."""
+        (None: approximate only, as a gateway without KV events). ``host_tokens``: each
+        worker's host-only tier as the gateway believes it (None: none); ``tier_reports``:
+        the workers report ``cached_tokens_details`` (they run HiCache)."""
         self.policy = policy
         self.sims = list(workers)
         self.gw = [Worker(f"http://127.0.0.1:{FIRST_PORT + i}", 0.0) for i in range(len(workers))]
@@ -137,6 +148,11 @@ class Simulation:
         # characters per token learnt from the workers' prompt_tokens, as live
         self.tokens = TokenAccounting(on_worker_ratio=self.index.set_block_tokens)
         self.core = RoutingCore(policy, self.index, self.costs, self.rng, self.tokens)
+        self.core.tiers = self.index  # as the live gateway's composition root sets it
+        if host_tokens:
+            for w in self.gw:
+                self.index.set_host_capacity(w.id, host_tokens)
+        self._tier_reports = tier_reports
         self.timeline = _Timeline(timeline_every_s)
         self._events: list[tuple[float, int, int]] = []  # (time, seq, worker index)
         self._pending: dict[int, tuple[float, list[SimOutput]]] = {}
@@ -232,6 +248,7 @@ class Simulation:
             prompt_tokens=prepared.prompt_tokens, output_tokens=req.max_tokens,
             predicted_tokens=choice.matched_tokens, true_match_tokens=true_matches[k],
             best_match_tokens=max(true_matches), available_predicted_tokens=available,
+            predicted_host_tokens=choice.matched_host_tokens,
         )  # fmt: skip
         self.records.append(record)
         self.reasons.append(choice.decision.reason)
@@ -253,12 +270,17 @@ class Simulation:
         if out.first_token and rec.first_token_s is None:
             rec.first_token_s = now
             rec.cached_tokens = out.cached_tokens
+            rec.cached_host_tokens = out.cached_host
             live.lease.first_token()
         if out.finished:
             rec.finish_s = now
             live.lease.release()
             sent = rec.arrival_s if live.sent_s is None else live.sent_s  # live: from dispatch
             ttft = None if rec.first_token_s is None else rec.first_token_s - sent
-            outcome = _Outcome(ttft, rec.cached_tokens, rec.prompt_tokens)
+            tiers = None  # null without a hit, as SGLang's get_cached_tokens_details
+            if self._tier_reports and rec.cached_tokens > 0:
+                host = rec.cached_host_tokens
+                tiers = CachedTiers(rec.cached_tokens - host, host)
+            outcome = _Outcome(ttft, rec.cached_tokens, rec.prompt_tokens, cached_tiers=tiers)
             self.core.feedback(live.route, live.choice, live.lease, outcome, now, live.exact)
             del self._live[out.rid]
