@@ -246,21 +246,23 @@ class RoutingCore:
         host_blocks: dict[str, int],
     ) -> list[WorkerView]:
         """``views`` with each one's host-tier part of its match (see "Cache tiers");
-        ``host_blocks`` gets the approximate index's host blocks per worker."""
-        exact_host = exact.host_tokens() if exact is not None and exact_tokens else {}
+        ``host_blocks`` gets the approximate index's host blocks per worker. Only the
+        workers with a match are looked at, and only views with a host part are copied."""
+        hosts = dict(exact.host_tokens()) if exact is not None and exact_tokens else {}
         tiers = self.tiers
-        out = []
-        for v in views:
-            host = 0
-            if v.id in exact_tokens:
-                host = exact_host.get(v.id, 0)
-            elif tiers is not None and (blocks := matches.get(v.id, 0)) > 0:
-                device = tiers.device_blocks(v.id, req.block_hashes, blocks)
+        if tiers is not None:
+            for wid, blocks in matches.items():
+                if wid in exact_tokens:
+                    continue
+                device = tiers.device_blocks(wid, req.block_hashes, blocks)
                 if device < blocks:
-                    host_blocks[v.id] = blocks - device
-                    host = v.matched_tokens - req.matched_tokens(device)
-            out.append(replace(v, matched_host_tokens=host) if host > 0 else v)
-        return out
+                    host_blocks[wid] = blocks - device
+                    hosts[wid] = req.matched_tokens(blocks) - req.matched_tokens(device)
+        if not hosts:
+            return views
+        return [
+            replace(v, matched_host_tokens=h) if (h := hosts.get(v.id, 0)) > 0 else v for v in views
+        ]
 
     def _shadows(self, req: RouteRequest, choice: Choice, policies: PolicySet) -> None:
         by_id = {v.id: v for v in choice.views}
