@@ -362,14 +362,15 @@ def orchestrate(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 def describe(args: argparse.Namespace, name: str, params: list[str], sent: int, span: float) -> str:
     n, m = args.prefill, args.decode
+    cap = args.max_running_requests or "capped by SGLang's formula"
     return (
         f"Workload `{name}` ({', '.join(params)}): {sent} requests over {span:.1f} modelled s, "
         f"output capped at {args.max_output_tokens or '∞'} tokens, arrivals ÷ {args.speed:g} "
         f"(the simulator's `--speed`), sending stops after {args.max_seconds:g} wall s. "
         f"PD fleet: {n} prefill + {m} decode simulated SGLang workers (transfer link "
         f"{args.transfer_profile or 'rdma-400g'}); regular fleet: {n + m} workers. Each worker: "
-        f"profile {args.profile}, {args.capacity_tokens:,} KV tokens, {args.max_running_requests}"
-        f" running requests. {args.rounds} round(s) per arm (order alternated, outcomes pooled)."
+        f"profile {args.profile}, {args.capacity_tokens:,} KV tokens, running requests {cap}. "
+        f"{args.rounds} round(s) per arm (order alternated, outcomes pooled)."
     )
 
 
