@@ -25,9 +25,13 @@ Contract:
   (``min_ttft``: a load back, between a GPU hit and a miss). Feedback hands the worker's
   ``cached_tokens_details`` (``CachedTiers``) to the index's tier estimate
   (``observe_tiers``).
+  With a ``gate`` (slow start, ``gateway.workers.slow_start``) the policy sees the
+  candidates it admits; available is still over every candidate.
 - :meth:`RoutingCore.dispatch`: the prompt is recorded in the index under the chosen
   worker at dispatch, before the worker answers (so a burst sharing a prefix
-  co-locates), and a :class:`~gateway.routing.lease.Lease` counts the request there.
+  co-locates), and a :class:`~gateway.routing.lease.Lease` counts the request there;
+  with ``chains`` (``gateway.routing.rehome.ChainLog``) the chain is logged there too,
+  for a drain to re-home.
 - :meth:`RoutingCore.feedback`: once the response is complete, the worker's reported
   cached tokens correct the index (or release the recording when it reported none),
   calibrate exact mode's fidelity, and the TTFT of a successful response calibrates the
@@ -102,6 +106,23 @@ class ExactRequest(Protocol):
     def observe(self, worker_id: str, mode: str, predicted: int, reported: int) -> None: ...
 
 
+class ChainRecorder(Protocol):
+    """The chains dispatched per worker, for drains that re-home them
+    (``gateway.routing.rehome.ChainLog``)."""
+
+    def dispatched(
+        self, worker_id: str, req: RouteRequest, now: float, matched: int
+    ) -> None: ...
+
+
+class CandidateGate(Protocol):
+    """Which candidates a policy sees in one decision (``gateway.workers.slow_start``)."""
+
+    def admit(
+        self, views: Sequence[WorkerView], now: float, rng: random.Random
+    ) -> Sequence[WorkerView]: ...
+
+
 class CostSource(Protocol):
     """What the core needs of the cost model (``gateway.routing.cost_model.CostModel``)."""
 
@@ -163,6 +184,9 @@ class RoutingCore:
         # the approximate index's host tier, set by the owner (None: every match is
         # believed on the GPU; exact mode's host parts are read all the same)
         self.tiers: TierIndex | None = None
+        # set by the owner when drains re-home chains / joining workers ramp (None: off)
+        self.chains: ChainRecorder | None = None
+        self.gate: CandidateGate | None = None
         self.shadow_failures: dict[str, int] = {}  # shadow policy -> selects that raised
 
     def configure(self, policies: PolicySet) -> None:
@@ -219,6 +243,9 @@ class RoutingCore:
         if exact_tokens or (matches and self.tiers is not None):
             views = self._tiers(req, views, matches, exact, exact_tokens, host_blocks)
         arm, policy = policies.arm(req)
+        every = views  # routing capture's available is over every candidate
+        if self.gate is not None:  # slow start: the candidates the policy sees
+            views = list(self.gate.admit(views, now, self.rng))
         decision = self._select(req, views, policy, self.rng)
         worker = next((w for w in workers if w.id == decision.worker_id), workers[0])
         matched = next((v.matched_tokens for v in views if v.id == worker.id), 0)
@@ -231,7 +258,7 @@ class RoutingCore:
         if indexed and self.tiers is not None and worker.id not in exact_tokens:
             choice.predicted_host_blocks = host_blocks.get(worker.id, 0)
         if indexed or exact is not None:
-            choice.available_tokens = max(v.matched_tokens for v in views)
+            choice.available_tokens = max(v.matched_tokens for v in every)
         if policies.shadows and req.kind is not ApiKind.EMBEDDINGS:
             self._shadows(req, choice, policies)
         return choice
@@ -318,6 +345,8 @@ class RoutingCore:
         worker = choice.worker
         if choice.indexed:
             self.index.record(req.block_hashes, worker.id, now)  # at dispatch: co-locate
+            if self.chains is not None:
+                self.chains.dispatched(worker.id, req, now, choice.predicted_blocks)
         if exact is not None:
             choice.index_mode = exact.mode(worker.id)
             exact.dispatched(worker.id)
