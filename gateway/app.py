@@ -47,17 +47,21 @@ from gateway.routing.decide import RoutingCore, TtftEstimate
 from gateway.routing.decisions import DecisionLog
 from gateway.routing.policy_set import PolicySet
 from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.prewarm import Membership, MembershipSettings, Stored
+from gateway.routing.rehome import ChainLog, PrewarmQueue, PromptStore, RehomeSettings, TokenBudget
 from gateway.routing.request import RequestSettings
 from gateway.routing.router import Forwarding, Router
 from gateway.routing.slot_gate import SlotGate
 from gateway.routing.tokens import TokenAccounting
 from gateway.tasks import TaskSet
 from gateway.telemetry.hub import Telemetry, TelemetryConfig
+from gateway.telemetry.membership import MembershipTelemetry
 from gateway.telemetry.tracing import TracingConfig
 from gateway.workers.engine_load import LoadPoller
 from gateway.workers.health import HealthChecker
 from gateway.workers.outlier import OutlierDetector
 from gateway.workers.registry import DECODE, PREFILL, Worker, WorkerRegistry
+from gateway.workers.slow_start import SlowStart
 from policies.base import Policy
 from policies.min_ttft import MinTtftPolicy
 from policies.registry import POLICIES, create_policy
@@ -339,6 +343,59 @@ def _follow_membership(
     registry.on_removed(forget)
 
 
+def make_membership(
+    config: GatewayConfig,
+    app: web.Application,
+    core: RoutingCore,
+    index: PrefixIndex,
+    session: aiohttp.ClientSession,
+) -> Membership:
+    """Drains that re-home, joins that ramp and pre-warm (``gateway.routing.prewarm``):
+    the chain log and slow start set on ``core``, the prompt store and budget when
+    ``prewarm.prompt_store_bytes`` opts in; removed workers forgotten."""
+    registry, p = app[app_keys.REGISTRY], config.prewarm
+    chains: ChainLog[Stored] | None = None
+    queue = None
+    if config.prefix_index.recent_chains > 0:
+        store = None
+        if p.prompt_store_bytes > 0:
+            store = PromptStore[Stored](p.prompt_store_bytes, lambda s: len(s[1]))
+            queue = PrewarmQueue(
+                TokenBudget(p.tokens_per_s, p.burst_tokens, registry.clock()), p.max_in_flight
+            )
+        chains = ChainLog(
+            index.capacity_blocks,
+            max_chains=config.prefix_index.recent_chains,
+            store=store,
+            payload=lambda req: (req.kind, req.body),
+        )
+        core.chains = chains
+        registry.on_target_removed(lambda t: chains.forget_worker(t.id))
+    s = config.slow_start
+    slow = SlowStart(s.window_s, s.aggression, s.min_factor) if s.window_s > 0 else None
+    core.gate = slow
+    rehome = RehomeSettings(
+        recent_s=config.drain.recent_s,
+        prewarm=True,
+        prewarm_recent_s=p.recent_s,
+        min_uses=config.drain.min_uses,
+    )
+    settings = MembershipSettings(
+        rehome,
+        drain_deadline_s=config.drain.deadline_s,
+        join_prefixes=s.prewarm_prefixes,
+        join_deadline_s=config.drain.deadline_s,
+        timeout_s=p.timeout_s,
+    )
+    membership = Membership(
+        registry=registry, index=index, chains=chains, queue=queue, settings=settings,
+        request_settings=app[app_keys.SETTINGS], session=session, slow_start=slow,
+        hooks=MembershipTelemetry(app[app_keys.TELEMETRY].registry),
+    )  # fmt: skip
+    registry.on_removed(membership.left)
+    return membership
+
+
 def _loops(
     config: GatewayConfig,
     registry: WorkerRegistry,
@@ -449,9 +506,11 @@ async def _runtime(
         exact=exact,
         decode_core=make_decode_core(config, core),
     )
+    membership = app[admin.MEMBERSHIP] = make_membership(config, app, core, index, session)
     if shared is not None:
         shared.start()
     loops = _loops(config, registry, index, health, load, outlier)
+    loops.spawn(membership.run(), "prewarm")
     try:
         yield
     finally:

@@ -98,6 +98,18 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "prefix_index.slot_wait_s",
         {"type": float, "help": "hold a request for a busy slot with its prefix (2; 0 off)"},
     ),
+    "--slow-start-window-secs": (
+        "slow_start.window_s",
+        {"type": float, "help": "a worker added at run time ramps its share this long (0 off)"},
+    ),
+    "--prompt-store-bytes": (
+        "prewarm.prompt_store_bytes",
+        {"type": int, "help": "keep recent prompts, this many bytes, to pre-warm (0: none)"},
+    ),
+    "--prewarm-tokens-per-sec": (
+        "prewarm.tokens_per_s",
+        {"type": float, "help": "fleet-wide pre-warm budget in prompt tokens/s (8000)"},
+    ),
     "--kv-events": (
         "kv_events.enabled",
         {

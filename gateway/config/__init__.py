@@ -170,6 +170,67 @@ class PrefixIndexConfig:
     # Longest a request is held for a busy slot holding its prefix on a worker whose slots
     # share no KV (llama.cpp); 0 = never hold (gateway/routing/slot_gate.py).
     slot_wait_s: float = 2.0
+    # Per worker, the chains (ordered block lists of prompts) dispatched there lately and
+    # when each was last used, so a drain can re-home them (gateway/routing/rehome.py):
+    # at most this many (a conversation's turns are one), and no more blocks than twice
+    # the worker's capacity. 0: none kept (drains cannot re-home).
+    recent_chains: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DrainConfig:
+    """Drains that keep conversations warm (POST /workers/{id}/drain; README, Drains)."""
+
+    # Give the drained worker's recent prefixes new homes by load, recorded in the index
+    # so each conversation's next turn goes there (?rehome=false on the call: not).
+    rehome: bool = True
+    # Only chains used within this many seconds are re-homed, and only what of each was
+    # reused: all of it once its conversation came back min_uses times (a later turn
+    # extended it), else the prefix it shared with an earlier prompt there.
+    recent_s: float = 600.0
+    min_uses: int = 2
+    # Pre-warm the hottest re-homed chains on their new homes within prewarm's budget
+    # (?prewarm=false: not). Needs prewarm.prompt_store_bytes > 0 (off by default).
+    prewarm: bool = True
+    # Pre-warming stops this long after the drain began (or when the worker is removed):
+    # only before the drained worker leaves.
+    deadline_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class SlowStartConfig:
+    """New workers ramp their share (Envoy's slow start; gateway/workers/slow_start.py)."""
+
+    # A worker added at run time is kept among a decision's candidates with probability
+    # max(min_factor, (elapsed / window_s) ** (1 / aggression)) over this window, unless
+    # it alone holds the request's longest prefix. 0: no ramp.
+    window_s: float = 0.0
+    aggression: float = 1.0
+    min_factor: float = 0.1
+    # Pre-warm a joining worker with this many of the fleet's most shared prefixes
+    # (system prompts, tool lists), within prewarm's budget; needs the prompt store.
+    prewarm_prefixes: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PrewarmConfig:
+    """Pre-warming: prefill-only copies of stored prompts (docs/SECURITY.md)."""
+
+    # Opt-in store of the most recent request body of each chain in prefix_index's chain
+    # log, bounded in bytes (least recently stored dropped first). 0: no prompt is kept
+    # and nothing is pre-warmed. Bodies are held in memory only, never logged or shown.
+    prompt_store_bytes: int = 0
+    # Fleet-wide budget of pre-warmed prompt tokens (those the new home is believed not
+    # to hold): this many per second on average, in bursts of burst_tokens (a larger
+    # prompt is never pre-warmed).
+    tokens_per_s: float = 8000.0
+    burst_tokens: int = 65536
+    # Only chains used within this many seconds are pre-warmed.
+    recent_s: float = 300.0
+    # Pre-warms in flight at once per worker.
+    max_in_flight: int = 2
+    # Bound on one pre-warm request.
+    timeout_s: float = 60.0
 
 
 # Headers the ecosystem sends as a session / affinity key, lower case, the first present
@@ -441,6 +502,9 @@ class GatewayConfig:
     # Per model (a name its workers serve under): policy, timeouts, tokenizer.
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
     prefix_index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    drain: DrainConfig = field(default_factory=DrainConfig)
+    slow_start: SlowStartConfig = field(default_factory=SlowStartConfig)
+    prewarm: PrewarmConfig = field(default_factory=PrewarmConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     request: RequestConfig = field(default_factory=RequestConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -578,6 +642,31 @@ def validate(cfg: GatewayConfig) -> None:
     _validate_redis(cfg.redis)
     _validate_pd(cfg)
     _validate_processes(cfg)
+    _validate_membership(cfg)
+
+
+def _validate_membership(cfg: GatewayConfig) -> None:
+    d, s, p = cfg.drain, cfg.slow_start, cfg.prewarm
+    for key, value in (
+        ("drain.recent_s", d.recent_s),
+        ("drain.deadline_s", d.deadline_s),
+        ("slow_start.aggression", s.aggression),
+        ("prewarm.tokens_per_s", p.tokens_per_s),
+        ("prewarm.recent_s", p.recent_s),
+        ("prewarm.timeout_s", p.timeout_s),
+    ):
+        _check(value > 0, key, "must be > 0", value)
+    for key, value in (
+        ("prefix_index.recent_chains", cfg.prefix_index.recent_chains),
+        ("drain.min_uses", d.min_uses),
+        ("slow_start.window_s", s.window_s),
+        ("slow_start.prewarm_prefixes", s.prewarm_prefixes),
+        ("prewarm.prompt_store_bytes", p.prompt_store_bytes),
+    ):
+        _check(value >= 0, key, "must be ≥ 0 (0: off)", value)
+    _check(0 <= s.min_factor <= 1, "slow_start.min_factor", "must be in 0..1", s.min_factor)
+    _check(p.burst_tokens >= 1, "prewarm.burst_tokens", "must be ≥ 1", p.burst_tokens)
+    _check(p.max_in_flight >= 1, "prewarm.max_in_flight", "must be ≥ 1", p.max_in_flight)
 
 
 def _validate_server(s: ServerConfig) -> None:

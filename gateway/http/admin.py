@@ -13,6 +13,13 @@ Contract:
   cost model forget it). ``{id}`` may also be the worker's URL, percent-encoded.
 - Adding refuses (403) a URL whose host is outside ``server.worker_allowlist``.
 - ``POST /workers/{id}/drain``: no new requests go there; in-flight ones finish (202).
+  With ``drain.rehome`` (``?rehome=``) its recent prefixes get new homes, and with a
+  prompt store (``?prewarm=``, ``?deadline_s=``) the hottest are pre-warmed there
+  (``gateway.routing.prewarm``); the answer's ``drain`` member and ``GET
+  /workers/{id}/drain`` (404 before any drain) hold the report. ``DELETE
+  /workers/{id}?rehome=true`` re-homes before removing. A worker added at run time ramps
+  under slow start and is pre-warmed with the fleet's most shared prefixes: ``GET
+  /workers/{id}/join`` (404 when neither applies).
 - Legacy: ``POST /add_worker?url=``, ``POST /remove_worker?url=``, ``GET /list_workers``.
 """
 
@@ -29,9 +36,11 @@ from gateway.config.allowlist import HostAllowList, NotAllowed
 from gateway.config.workerspec import SGLANG, configured_kind, parse_worker_spec
 from gateway.errors import GatewayError
 from gateway.http import app_keys
+from gateway.routing.prewarm import Membership
 from gateway.workers.registry import PREFILL, REGULAR, ROLES, HealthFlag, Worker
 
 ALLOWLIST = web.AppKey("worker_allowlist", HostAllowList)  # set by gateway.app
+MEMBERSHIP = web.AppKey("membership", Membership)  # set by gateway.app at startup
 
 
 async def _allowed(app: web.Application, url: str) -> None:
@@ -117,6 +126,9 @@ async def _add(
     worker, created = app[app_keys.REGISTRY].add(url, parsed, role, port)
     if created:
         await app[app_keys.HEALTH].check_now(worker)
+        membership = app.get(MEMBERSHIP)
+        if membership is not None:
+            membership.joined(worker, prewarm=True)
     return _json(worker.describe(time.monotonic()), 201 if created else 200)
 
 
@@ -159,16 +171,74 @@ async def get_worker(request: web.Request) -> web.Response:
     return _json(_described(request.app, [_worker(request)])[0])
 
 
+def _flag(request: web.Request, name: str, default: bool) -> bool:
+    value = request.query.get(name)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise GatewayError(400, f"'{name}' must be true or false", param=name)
+
+
+def _seconds(request: web.Request, name: str) -> float | None:
+    value = request.query.get(name)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 86400:
+        raise GatewayError(400, f"'{name}' must be seconds in (0, 86400)", param=name)
+    return seconds
+
+
 async def delete_worker(request: web.Request) -> web.Response:
     worker = _worker(request)
+    doc: dict[str, Any] = {"removed": worker.id, "url": worker.url}
+    membership = request.app.get(MEMBERSHIP)
+    if _flag(request, "rehome", False) and membership is not None:
+        membership.rehome_now(worker)
+        doc["drain"] = membership.report(worker.id)
     request.app[app_keys.REGISTRY].remove(worker.id)
-    return _json({"removed": worker.id, "url": worker.url})
+    return _json(doc)
 
 
 async def drain_worker(request: web.Request) -> web.Response:
     worker = _worker(request)
+    config = request.app[app_keys.CONFIG].drain
+    rehome = _flag(request, "rehome", config.rehome)
+    prewarm = _flag(request, "prewarm", config.prewarm)
+    deadline = _seconds(request, "deadline_s")
     worker.flags.add(HealthFlag.DRAINING)
-    return _json(worker.describe(time.monotonic()), 202)
+    doc = worker.describe(time.monotonic())
+    membership = request.app.get(MEMBERSHIP)
+    if membership is not None:
+        membership.drain(worker, rehome=rehome, prewarm=prewarm, deadline_s=deadline)
+        doc["drain"] = membership.report(worker.id)
+    return _json(doc, 202)
+
+
+async def get_drain(request: web.Request) -> web.Response:
+    worker_id = request.match_info["worker_id"]
+    worker = request.app[app_keys.REGISTRY].find(worker_id)
+    membership = request.app.get(MEMBERSHIP)
+    key = worker.id if worker is not None else worker_id
+    report = None if membership is None else membership.report(key)
+    if report is None:  # a removed worker's last drain stays readable by its id
+        raise GatewayError(404, f"no drain of worker {worker_id!r}")
+    return _json(report)
+
+
+async def get_join(request: web.Request) -> web.Response:
+    worker = _worker(request)
+    membership = request.app.get(MEMBERSHIP)
+    report = None if membership is None else membership.join_report(worker.id)
+    if report is None:
+        raise GatewayError(404, f"worker {worker.id!r} is neither ramping nor pre-warmed")
+    return _json(report)
 
 
 async def legacy_add(request: web.Request) -> web.Response:
@@ -195,6 +265,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/workers/{worker_id}", get_worker)
     app.router.add_delete("/workers/{worker_id}", delete_worker)
     app.router.add_post("/workers/{worker_id}/drain", drain_worker)
+    app.router.add_get("/workers/{worker_id}/drain", get_drain)
+    app.router.add_get("/workers/{worker_id}/join", get_join)
     app.router.add_post("/add_worker", legacy_add)
     app.router.add_post("/remove_worker", legacy_remove)
     app.router.add_get("/list_workers", legacy_list)

@@ -153,6 +153,11 @@ _WORKER_URL = {
 _WORKER = {"type": "object"}
 _WORKER_ID = [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}]
 _URL_QUERY = [{"name": "url", "in": "query", "required": True, "schema": _WORKER_URL}]
+_DEADLINE_QUERY = {"name": "deadline_s", "in": "query", "schema": {"type": "number"}}
+
+
+def _flag_query(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "schema": {"type": "string", "enum": ["true", "false"]}}
 
 
 def _admin(
@@ -190,10 +195,37 @@ def _admin_paths() -> dict[str, Any]:
         },
         "/workers/{worker_id}": {
             **_admin("get", "One worker", "200", "404", parameters=_WORKER_ID),
-            **_admin("delete", "Remove a worker", "200", "404", parameters=_WORKER_ID),
+            **_admin(
+                "delete",
+                "Remove a worker (?rehome=true: re-home its prefixes first)",
+                "200",
+                "400",
+                "404",
+                parameters=[*_WORKER_ID, _flag_query("rehome")],
+            ),
         },
-        "/workers/{worker_id}/drain": _admin(
-            "post", "Drain a worker", "202", "404", parameters=_WORKER_ID
+        "/workers/{worker_id}/drain": {
+            **_admin(
+                "post",
+                "Drain a worker (re-home and pre-warm its prefixes)",
+                "202",
+                "400",
+                "404",
+                parameters=[
+                    *_WORKER_ID,
+                    _flag_query("rehome"),
+                    _flag_query("prewarm"),
+                    _DEADLINE_QUERY,
+                ],
+            ),
+            **_admin("get", "The worker's last drain report", "200", "404", parameters=_WORKER_ID),
+        },
+        "/workers/{worker_id}/join": _admin(
+            "get",
+            "A joining worker's slow start and pre-warm",
+            "200",
+            "404",
+            parameters=_WORKER_ID,
         ),
         "/add_worker": _admin(
             "post", "Legacy add", "201", "400", parameters=_URL_QUERY, ok_again="200"
