@@ -28,11 +28,17 @@ from loadtests.replay.lora import (
     make_lora_workers,
     workload_adapters,
 )
+from loadtests.replay.membership import (
+    MembershipPlan,
+    MembershipSimulation,
+    add_membership_args,
+    plan_from_args,
+)
 from loadtests.replay.metrics import summarize
 from loadtests.replay.prompts import PromptBuilder, trace_block_requests
 from loadtests.replay.sglang_rule import REFERENCE_NAME, SglangCacheAware
 from loadtests.replay.sim import SimOutcome, Simulation
-from loadtests.replay.workers import make_workers, prefill_time_fn
+from loadtests.replay.workers import SimWorker, make_workers, prefill_time_fn
 from loadtests.workloads import Workload, create_workload
 from loadtests.workloads.traces import azure_trace, mooncake_trace
 from policies.base import Policy
@@ -66,6 +72,9 @@ class ReplayConfig:
     max_loras_per_batch: int = 4
     lora_load_s: float = 0.2
     lora_affinity: bool = True
+    # a drain or a scale-out during the run, and how the gateway handles it
+    # (loadtests.replay.membership)
+    membership: MembershipPlan | None = None
     # HiCache on the workers (simulator.model.hicache: SGLang's flags), and whether the
     # gateway believes their host tier (False: the device-only index of before issue 20;
     # exact mode then reads the GPU's events only)
@@ -124,6 +133,8 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
         if config.hicache:
             raise ValueError("the LoRA replay runs without HiCache")
         sim: Simulation = _lora_sim(config, workload, policy, builder, exact)
+    elif config.membership is not None:
+        sim = _membership_sim(config, config.membership, policy, builder)
     else:
         hicache = _hicache_fields(config)
         workers = make_workers(config.workers, config.capacity_tokens, config.profile,
@@ -147,6 +158,8 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
         summary["bounds_block_level"] = compute_bounds(trace_blocks, capacity).block_rates()
     if isinstance(sim, LoraSimulation):
         summary["lora"] = sim.lora_summary()
+    if isinstance(sim, MembershipSimulation):
+        summary["membership"] = sim.figures()
     if sim.exact is not None:
         summary["exact"] = {"fidelity": sim.exact.fidelity(), "batches": sim.exact.batches,
                             "modes": sim.exact.manager.modes()}  # fmt: skip
@@ -202,6 +215,22 @@ def _lora_sim(
     adapters = workload_adapters(workload.requests, dict(workload.params))
     return lora_simulation(policy, workers, config.capacity_tokens, builder.prepare,
                            builder.model, lora, adapters, config.seed, exact)  # fmt: skip
+
+
+def _membership_sim(
+    config: ReplayConfig, plan: MembershipPlan, policy: Policy, builder: PromptBuilder
+) -> MembershipSimulation:
+    """The fleet with one drain or join (not with exact mode, LoRA or HiCache)."""
+    if config.exact or config.hicache:
+        raise ValueError("--drain / --join do not combine with --exact or --hicache")
+
+    def fleet(n: int) -> list[SimWorker]:
+        return make_workers(n, config.capacity_tokens, config.profile, config.page_size)
+
+    workers, capacity = fleet(config.workers), config.capacity_tokens
+    return MembershipSimulation(
+        policy, workers, capacity, builder.prepare, plan, lambda: fleet(1)[0], config.seed
+    )
 
 
 def _exact(config: ReplayConfig, worker_ids: Sequence[str], clock: Callable[[], float]
@@ -260,6 +289,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                        help="simulator.model.transfer.HOST_LINK_PROFILES")  # fmt: skip
     tiers.add_argument("--no-host-tier", action="store_true",
                        help="the gateway ignores the host tier (the GPU's only)")  # fmt: skip
+    add_membership_args(parser)
     parser.add_argument("--out", type=Path, default=None, help="output folder")
 
 
@@ -286,6 +316,7 @@ def config_from_args(ns: argparse.Namespace, time_scale: float) -> ReplayConfig:
         max_loras_per_batch=ns.max_loras_per_batch,
         lora_load_s=ns.lora_load_s,
         lora_affinity=not ns.no_lora_affinity,
+        membership=plan_from_args(ns),
         hicache=ns.hicache,
         hicache_ratio=ns.hicache_ratio,
         hicache_write_policy=ns.hicache_write_policy,

@@ -216,6 +216,10 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._events, (now + duration, self._seq, k))
 
+    def routable(self) -> list[Worker]:
+        """The candidates: every worker not flagged (a drain flags one: membership)."""
+        return [w for w in self.gw if not w.flags]
+
     # --- the router's phases ----------------------------------------------------------
 
     def _poll_loads(self, now: float) -> None:
@@ -237,7 +241,7 @@ class Simulation:
         route = prepared.route
         self.core.estimate(route)
         exact = self.exact.request(prepared.prompt_key) if self.exact is not None else None
-        choice = self.core.choose(route, self.gw, now, exact)
+        choice = self.core.choose(route, self.routable(), now, exact)
         k = self.gw.index(choice.worker)
         lease = self.core.dispatch(route, choice, now, exact)
         true_matches = [sim.true_match(prepared.prompt_key) for sim in self.sims]
