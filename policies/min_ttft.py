@@ -41,15 +41,32 @@ Then:
    re-computing their prefixes elsewhere would buy nothing. With 4 workers a hot worker
    is held near 0.25 + 0.15 = 0.4 of the decisions: no collapse onto one worker. The
    share memory makes ``select`` depend on the policy's past decisions, as round robin's
-   counter does.
+   counter does. Three refinements:
+   - the one worker holding a *private* prefix of this request (as in step 2: its
+     conversation, its agent's history) is hot for it only above 1/n +
+     ``private_hot_margin`` (0.3): moving a conversation throws its history away. When
+     only a few workers hold a system prompt every new session shares, they are each
+     hot at ~2x fair, and the plain margin moved the continuing sessions off them
+     (multi-turn chat: 142 of 1,536 requests moved, hit .835 against .866 for
+     ``cache_aware``); new sessions, whose match is the shared prompt, still move;
+   - a worker holding all but ``sibling_tokens`` (32) of the prompt is not skipped for
+     being hot: the request adds no prefill there (a GRPO sample whose group's first
+     sample was just sent there, an identical retry). The guard split such groups at
+     the start of a burst, where the total in flight is still small (rollouts: 62 of
+     128 groups split);
+   - a crowded worker whose engine last reported requests waiting while its KV was at
+     least ``full_usage`` (0.9) full is skipped whatever its share and whatever it
+     holds: its queue waits for running requests to end, which the estimate does not
+     see (llm-d's tenant workload: a worker holding 22 tenants against 16 elsewhere
+     filled its KV and its requests waited 3-10 s while the estimate said 0.1-1.5 s).
 2. Exploit (after Preble's E2 rule, with load in time units): let ``private`` be the
    part of the longest match that no other remaining candidate holds (longest match
-   minus the best match elsewhere). When ``private >= exploit_ratio * prompt_tokens``,
-   the remaining holder of the longest match with the lowest estimate is chosen unless
+   minus the best match on any other candidate: 0 when two or more hold the longest).
+   When ``private >= exploit_ratio * prompt_tokens``, its one holder is chosen unless
    its estimate exceeds the best remaining estimate by more than ``affinity_max_s``
-   seconds or exceeds ``affinity_factor`` x it + ``affinity_s``; ties among holders at
-   random. Defaults: 0.1, 5 s, 100 x, 0 s, so in practice a private prefix stays on its
-   worker unless that worker is hot and crowded (step 1) or 5 s behind the best.
+   seconds or exceeds ``affinity_factor`` x it + ``affinity_s``. Defaults: 0.1, 5 s,
+   100 x, 0 s, so in practice a private prefix stays on its worker unless that worker
+   is hot and crowded (step 1) or 5 s behind the best.
    Why: a conversation's history is private to its worker; moving it throws that copy
    away and re-computes it elsewhere, and under overload (every queue long) that extra
    work delays everybody. The near-tie band (step 3) moved it as soon as the holder
@@ -58,7 +75,10 @@ Then:
    2 s bound lose hits on the synthetic trace without a steady gain in p99).
    A prefix that other workers hold too (a system prompt) is not private, so cold
    prompts and new conversations still go to the lowest score: this step does not
-   herd them onto the workers that happen to hold a shared prefix.
+   herd them onto the workers that happen to hold a shared prefix. (It did while
+   "private" was the lead over the workers not holding the longest match: a prefix
+   three workers held was private to the three, and every new GRPO group went to the
+   holders of the 256-token instruction all prompts share, 4 workers of 8 in step 0.)
    ``exploit_ratio`` > 1 disables the step (the policy as it was before).
 3. Near ties: every remaining candidate whose score is within ``tolerance_s +
    tolerance_rel * best`` of the best score is "as good"; among those, the ones holding
@@ -69,15 +89,19 @@ Cold requests (no match anywhere) go to the lowest score, i.e. the least-loaded 
 (when every candidate reports ``free_sequences``, as llama.cpp workers bounded by their
 slots do, only among those with the most free sequences, whatever their queue);
 their siblings then follow them because the gateway records the prompt at dispatch.
-Among the candidates whose score is within ``tolerance_s`` of that lowest one, the one
-with the fewest requests in flight wins (then the lowest score, then at random): scores
-that close differ by less than the cost model's own error, since each worker's prefill
-cost is fitted from noisy TTFTs, and where a cold prompt lands its group follows. Taking
-the lowest score there herded groups onto whichever worker's fit came out fastest: on
-llm-d's tenant workload (BENCHMARKS.md, "Tenant workload (llm-d)"), 8 identical workers
-fitted at 18-21 us per token, two of them drew most new tenants (11 to 41 tenants per
-worker against 16 to 21 with this rule) and their KV filled first: p90 TTFT 0.47 s
-against 0.059 s.
+Among the near ties of step 3 (within ``tolerance_s + tolerance_rel * best``), the one
+with the fewest requests in flight wins, then the one with the lowest share of recent
+decisions (step 1's memory), then the lowest score, then at random: scores that close
+differ by less than the cost model's own error, since each worker's prefill cost is
+fitted from noisy TTFTs, and where a cold prompt lands its group, tenant or session
+follows, for good. Taking the lowest score there herded groups onto whichever worker's
+fit came out fastest: on llm-d's tenant workload (BENCHMARKS.md, "Tenant workload
+(llm-d)"), 8 identical workers fitted at 18-21 us per token, two of them drew most new
+tenants (11 to 41 tenants per worker against 16 to 21 with this rule) and their KV
+filled first: p90 TTFT 0.47 s against 0.059 s. The share breaks the ties of a lightly
+loaded fleet, where every worker has 0 or 1 request in flight and the count says
+nothing (the tenant workload at 0.3x: 16-22 tenants per worker with the count alone,
+17-21 with the share).
 
 Reasons: ``prefix_hit`` (the chosen worker holds the longest match there is), ``load``
 (a longer match existed but load won), ``miss`` (nobody holds any of the prompt),
@@ -194,6 +218,9 @@ class MinTtftPolicy(Policy):
         affinity_factor: float = 100.0,
         affinity_s: float = 0.0,
         affinity_max_s: float = 5.0,
+        private_hot_margin: float = 0.3,
+        sibling_tokens: int = 32,
+        full_usage: float = 0.9,
         host_load_per_token_s: float = DEFAULT_HOST_LOAD_PER_TOKEN_S,
         host_load_fixed_s: float = DEFAULT_HOST_LOAD_FIXED_S,
     ) -> None:
@@ -204,17 +231,19 @@ class MinTtftPolicy(Policy):
         self._host_per_token, self._host_fixed = host
         numbers = (work_weight, tolerance_s, tolerance_rel, load_factor, decode_request_s,
                    hot_margin, exploit_ratio, affinity_factor, affinity_s,
-                   affinity_max_s)  # fmt: skip
+                   affinity_max_s, private_hot_margin, full_usage)  # fmt: skip
         if not all(math.isfinite(x) for x in numbers):
             raise ValueError("every parameter must be a finite number")
-        if not isinstance(load_cap_floor, int) or not isinstance(share_window, int):
-            raise ValueError("load_cap_floor and share_window must be integers")
+        if not all(isinstance(x, int) for x in (load_cap_floor, share_window, sibling_tokens)):
+            raise ValueError("load_cap_floor, share_window and sibling_tokens must be integers")
         if work_weight < 0 or tolerance_s < 0 or tolerance_rel < 0 or decode_request_s < 0:
             raise ValueError("weights and tolerances must be >= 0")
         if load_factor < 1.0 or load_cap_floor < 1:
             raise ValueError("load_factor must be >= 1 and load_cap_floor >= 1")
-        if hot_margin < 0 or share_window < 1:
-            raise ValueError("hot_margin must be >= 0 and share_window >= 1")
+        if hot_margin < 0 or private_hot_margin < 0 or share_window < 1:
+            raise ValueError("hot margins must be >= 0 and share_window >= 1")
+        if sibling_tokens < 0 or full_usage <= 0:
+            raise ValueError("sibling_tokens must be >= 0 and full_usage > 0")
         self._work_weight = work_weight
         self._tolerance_s = tolerance_s
         self._tolerance_rel = tolerance_rel
@@ -222,6 +251,9 @@ class MinTtftPolicy(Policy):
         self._load_cap_floor = load_cap_floor
         self._decode_request_s = decode_request_s
         self._hot_margin = hot_margin
+        self._private_hot_margin = private_hot_margin
+        self._sibling_tokens = sibling_tokens
+        self._full_usage = full_usage
         self._share_window = share_window
         if exploit_ratio < 0 or affinity_factor < 1.0 or affinity_s < 0 or affinity_max_s < 0:
             raise ValueError(
@@ -274,7 +306,7 @@ class MinTtftPolicy(Policy):
             scores[w.id] = estimate + self._work_weight * own
         if len(candidates) == 1:
             return Decision(candidates[0].id, REASON_ONLY_CANDIDATE, estimates)
-        eligible = self._within_load_cap(candidates)
+        eligible = self._within_load_cap(candidates, ctx.prompt_tokens)
         sticky = self._exploit(eligible, estimates, ctx)
         if sticky is not None:
             self._remember(sticky.id, candidates)
@@ -287,10 +319,12 @@ class MinTtftPolicy(Policy):
         longest = max(w.matched_tokens for w in near)
         pool = [w for w in near if w.matched_tokens == longest]
         low = min(scores[w.id] for w in pool)
-        if longest <= 0:  # a prompt nobody holds: the least loaded of the near ties
-            pool = [w for w in pool if scores[w.id] <= low + self._tolerance_s]
+        if longest <= 0:  # a prompt nobody holds: the least loaded, then least used, near tie
             fewest = min(w.in_flight for w in pool)
             pool = [w for w in pool if w.in_flight == fewest]
+            fair = 1.0 / len(candidates)
+            least = min(self._shares.get(w.id, fair) for w in pool)
+            pool = [w for w in pool if self._shares.get(w.id, fair) <= least + 1e-9]
             low = min(scores[w.id] for w in pool)
         tied = [w for w in pool if scores[w.id] == low]
         chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
@@ -300,36 +334,72 @@ class MinTtftPolicy(Policy):
     def _exploit(
         self, eligible: Sequence[WorkerView], estimates: dict[str, float], ctx: RouteContext
     ) -> WorkerView | None:
-        """The holder of the longest match, if the part only it holds (beyond the best
-        match elsewhere) is at least ``exploit_ratio`` of the prompt and its estimate is
-        within ``affinity_factor`` x the best + ``affinity_s``."""
-        longest = max(w.matched_tokens for w in eligible)
-        if longest <= 0:
+        """The worker holding a private prefix of the prompt (:meth:`_private_holder`), if
+        its estimate is within ``affinity_factor`` x the best + ``affinity_s`` and
+        ``affinity_max_s`` of it."""
+        holder = self._private_holder(eligible, ctx.prompt_tokens)
+        if holder is None:
             return None
-        holders = [w for w in eligible if w.matched_tokens == longest]
-        second = max((w.matched_tokens for w in eligible if w.matched_tokens < longest), default=0)
-        if longest - second < self._exploit_ratio * max(1, ctx.prompt_tokens):
-            return None
-        low = min(estimates[w.id] for w in holders)
+        low = estimates[holder.id]
         best = min(estimates[w.id] for w in eligible)
         if low > self._affinity_factor * best + self._affinity_s:
             return None
         if low - best > self._affinity_max_s:
             return None
-        tied = [w for w in holders if estimates[w.id] == low]
-        return tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
+        return holder
 
-    def _within_load_cap(self, candidates: Sequence[WorkerView]) -> list[WorkerView]:
+    def _private_holder(self, pool: Sequence[WorkerView], prompt_tokens: int) -> WorkerView | None:
+        """The one worker of ``pool`` holding the longest match, if its lead over every
+        other worker's match is at least ``exploit_ratio`` of the prompt; else None (no
+        match, or two workers hold it: a shared prefix, not a private one)."""
+        holder: WorkerView | None = None
+        longest = second = 0
+        for w in pool:
+            m = w.matched_tokens
+            if m > longest:
+                holder, longest, second = w, m, longest
+            elif m == longest:
+                holder, second = None, m
+            elif m > second:
+                second = m
+        if holder is None or longest - second < self._exploit_ratio * max(1, prompt_tokens):
+            return None
+        return holder
+
+    def _within_load_cap(
+        self, candidates: Sequence[WorkerView], prompt_tokens: int
+    ) -> list[WorkerView]:
+        """The candidates the bounded-load step keeps (all of them if it would keep none)."""
         n = len(candidates)
         total = sum(w.in_flight for w in candidates) + 1
         cap = max(math.ceil(self._load_factor * total / n), self._load_cap_floor)
-        hot = 1.0 / n + self._hot_margin
-        eligible = [
-            w
-            for w in candidates
-            if w.in_flight + 1 <= cap or self._shares.get(w.id, 1.0 / n) <= hot
-        ]
+        fair = 1.0 / n
+        hot = fair + self._hot_margin
+        private = self._private_holder(candidates, prompt_tokens)
+        siblings = self._sibling_tokens
+        eligible = []
+        for w in candidates:
+            if w.in_flight + 1 <= cap:
+                eligible.append(w)  # not crowded
+            elif self._memory_bound(w):
+                continue  # crowded and queueing for KV: skipped whatever it holds
+            elif w.matched_tokens > 0 and prompt_tokens - w.matched_tokens <= siblings:
+                eligible.append(w)  # holds the whole prompt: a sibling adds no prefill there
+            elif self._shares.get(w.id, fair) <= (
+                fair + self._private_hot_margin if w is private else hot
+            ):
+                eligible.append(w)
         return eligible or list(candidates)
+
+    def _memory_bound(self, worker: WorkerView) -> bool:
+        """The engine's last poll showed requests waiting while its KV was ``full_usage``
+        full: they wait for running requests to finish, which the estimate does not see."""
+        engine = worker.engine_load
+        return (
+            engine is not None
+            and engine.waiting_requests > 0
+            and engine.token_usage >= self._full_usage
+        )
 
     def _remember(self, chosen: str, candidates: Sequence[WorkerView]) -> None:
         # Warm-up: until share_window decisions are seen, the shares are running means
@@ -376,6 +446,9 @@ class MinTtftPolicy(Policy):
             "affinity_factor": self._affinity_factor,
             "affinity_s": self._affinity_s,
             "affinity_max_s": self._affinity_max_s,
+            "private_hot_margin": self._private_hot_margin,
+            "sibling_tokens": self._sibling_tokens,
+            "full_usage": self._full_usage,
             "host_load_per_token_s": self._host_per_token,
             "host_load_fixed_s": self._host_fixed,
         }

@@ -1,5 +1,6 @@
 """min_ttft: estimated TTFT, affinity in near ties, no collapse on a shared prefix."""
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -332,11 +333,43 @@ def test_a_prefix_other_workers_hold_too_is_not_exploited() -> None:
     assert create_policy("min_ttft").select(ctx(shared, prompt=700)).worker_id == "idle"
 
 
-def test_exploit_ties_between_holders_at_random() -> None:
+def test_several_holders_of_a_prefix_tie_at_random() -> None:
+    # a prefix three workers hold is not private (no exploit): the near-tie band keeps
+    # it on its holders, ties among them at random
     policy = MinTtftPolicy(exploit_ratio=0.5, affinity_factor=1.5)
     views = [WorkerView(f"h{i}", matched_tokens=8000) for i in range(3)] + [WorkerView("cold")]
     seen = Counter(policy.select(ctx(views, prompt=10_000, seed=s)).worker_id for s in range(60))
     assert set(seen) == {"h0", "h1", "h2"}
+
+
+def test_a_prefix_two_workers_hold_is_shared_not_private() -> None:
+    # both holders ~2 s behind an idle worker: the exploit step would keep the prefix on
+    # one of them (it did when "private" was the lead over non-holders only); shared by
+    # two, it is not private, and the near-tie band gives it to the idle worker
+    busy = [
+        WorkerView(f"h{i}", in_flight=4, queued_prefill_tokens=90_000, matched_tokens=8000)
+        for i in range(2)
+    ]
+    idle = WorkerView("idle")
+    decision = create_policy("min_ttft").select(ctx([*busy, idle], prompt=10_000))
+    assert (decision.worker_id, decision.reason) == ("idle", REASON_LOAD)
+    # held by one of them only, it is private: the holder keeps it (within 5 s)
+    decision = create_policy("min_ttft").select(ctx([busy[0], idle], prompt=10_000))
+    assert (decision.worker_id, decision.reason) == ("h0", REASON_PREFIX_HIT)
+
+
+def test_a_shared_instruction_does_not_draw_a_new_group() -> None:
+    # GRPO rollouts: every prompt starts with a 256-token instruction; three workers hold
+    # it and are busy with earlier groups, five are idle. The instruction saves 256
+    # tokens; the new group goes to an idle worker, not to the instruction's holders
+    holders = [
+        WorkerView(f"h{i}", in_flight=8, queued_prefill_tokens=3000, matched_tokens=256)
+        for i in range(3)
+    ]
+    idle = [WorkerView(f"i{i}") for i in range(5)]
+    for s in range(10):
+        decision = create_policy("min_ttft").select(ctx([*holders, *idle], prompt=1294, seed=s))
+        assert decision.worker_id.startswith("i"), decision
 
 
 @pytest.mark.parametrize(
@@ -369,3 +402,110 @@ def test_cold_request_near_ties_go_to_the_fewest_in_flight() -> None:
     # beyond tolerance_s the score decides, however loaded
     slow = WorkerView("slow", cost=WorkerCost(prefill_per_token_s=30e-6))
     assert policy.select(ctx([fast_fit_busy, slow], prompt=7215)).worker_id == "fast-fit"
+
+
+# --- bounded load: which crowded workers keep a request -------------------------------
+
+
+def hot_holder_policy(**params: float) -> Policy:
+    """A policy whose last 20 decisions all went to ``holder`` (its share far above fair)."""
+    policy = create_policy("min_ttft", **params)
+    for _ in range(20):
+        policy.select(ctx([WorkerView("holder", matched_tokens=2048), *crowded()[1:]]))
+    return policy
+
+
+def test_a_private_prefix_keeps_its_crowded_holder_below_the_private_margin() -> None:
+    # hot for any request (margin 0 over fair), never for the one holding its private
+    # prefix (margin 1): the conversation stays, a request for a shared prefix moves
+    policy = hot_holder_policy(hot_margin=0.0, private_hot_margin=1.0)
+    private = crowded()  # the holder alone holds 2048 of 2176 tokens
+    assert policy.select(ctx(private)).worker_id == "holder"
+    shared = [*crowded()[:2], *crowded()[2:]]
+    shared[1] = WorkerView("w1", in_flight=2, decoding_requests=2, matched_tokens=2048)
+    assert policy.select(ctx(shared)).worker_id != "holder"
+    # the default private margin (0.3) still moves it from a worker this hot
+    assert hot_holder_policy().select(ctx(crowded())).worker_id != "holder"
+
+
+def test_a_crowded_hot_worker_keeps_a_sibling_of_a_prompt_it_holds_whole() -> None:
+    # the whole prompt held (a GRPO sample whose group's first is already there): the
+    # request adds no prefill there, the hot-worker guard does not move it
+    policy = hot_holder_policy(private_hot_margin=0.0)
+    whole = crowded()
+    whole[0] = WorkerView("holder", in_flight=3, decoding_requests=3, matched_tokens=2170)
+    assert policy.select(ctx(whole)).worker_id == "holder"
+    assert policy.select(ctx(crowded())).worker_id != "holder"  # 128 tokens left to compute
+    strict = hot_holder_policy(private_hot_margin=0.0, sibling_tokens=0)
+    assert strict.select(ctx(whole)).worker_id != "holder"
+
+
+def test_a_crowded_worker_queueing_for_kv_is_skipped() -> None:
+    # the engine reports requests waiting while its KV is 95 % full: they wait for running
+    # requests to end, which the estimate does not see; skipped once crowded, whatever
+    # its share (a fresh policy: nobody hot) and even holding the whole prompt
+    full = EngineLoad(running_requests=3, waiting_requests=2, token_usage=0.95)
+    views = crowded()
+    views[0] = WorkerView(
+        "holder", in_flight=3, decoding_requests=3, matched_tokens=2170, engine_load=full
+    )
+    decision = create_policy("min_ttft").select(ctx(views))
+    assert decision.worker_id != "holder" and decision.reason == REASON_LOAD
+    roomy = EngineLoad(running_requests=3, waiting_requests=2, token_usage=0.5)
+    views[0] = dataclasses.replace(views[0], engine_load=roomy)
+    assert create_policy("min_ttft").select(ctx(views)).worker_id == "holder"
+    not_crowded = [dataclasses.replace(v, in_flight=0, decoding_requests=0) for v in crowded()]
+    not_crowded[0] = dataclasses.replace(not_crowded[0], engine_load=full)
+    assert create_policy("min_ttft").select(ctx(not_crowded)).worker_id == "holder"
+    off = create_policy("min_ttft", full_usage=1.5)  # usage never reaches it: off
+    views[0] = dataclasses.replace(views[0], engine_load=full)
+    assert off.select(ctx(views)).worker_id == "holder"
+
+
+def test_a_cold_prompt_goes_to_the_least_used_of_the_idle_workers() -> None:
+    # in-flight counts tie (all idle): the worker that took fewer recent decisions gets
+    # the new prompt, whose later requests will follow it (a tenant, a group)
+    busy = [WorkerView(w, in_flight=5, queued_prefill_tokens=9000) for w in ("b", "c")]
+    idle = [WorkerView(w) for w in ("a", "b", "c")]
+    seen: Counter[str] = Counter()
+    for s in range(20):
+        policy = create_policy("min_ttft")
+        for _ in range(4):
+            policy.select(ctx([WorkerView("a"), *busy]))
+        decision = policy.select(ctx(idle, seed=s))
+        assert decision.reason == REASON_MISS
+        seen[decision.worker_id] += 1
+    assert set(seen) == {"b", "c"}, seen  # ties between the equally used at random
+
+
+def test_bad_load_parameters() -> None:
+    for bad in (
+        {"private_hot_margin": -0.1},
+        {"sibling_tokens": -1},
+        {"sibling_tokens": 1.5},
+        {"full_usage": 0.0},
+        {"full_usage": math.inf},
+    ):
+        with pytest.raises(ValueError):
+            create_policy("min_ttft", **bad)
+
+
+def test_grpo_groups_arriving_at_once_stay_whole_and_spread() -> None:
+    """16 groups of 8 identical prompts (1,294 tokens, the first 256 an instruction every
+    prompt shares) arrive at the same instant on 8 idle workers, one group after another:
+    every group on one worker, two groups per worker."""
+    sim = [SimWorker(f"w{i}") for i in range(8)]
+    rng = random.Random(0)
+    policy = create_policy("min_ttft")
+    placed: dict[int, set[str]] = {}
+    for group in range(16):
+        for _ in range(8):
+            views = [w.view(0.0, 1280 if group in w.holds else 256 if w.holds else 0) for w in sim]
+            chosen_id = policy.select(RouteContext(1294, views, rng)).worker_id
+            chosen = next(w for w in sim if w.id == chosen_id)
+            chosen.dispatch(0.0, 14 if group in chosen.holds else 1294, 30.0)
+            chosen.holds.add(group)
+            placed.setdefault(group, set()).add(chosen_id)
+    assert all(len(workers) == 1 for workers in placed.values()), placed
+    per_worker = Counter(next(iter(workers)) for workers in placed.values())
+    assert sorted(per_worker.values()) == [2] * 8, per_worker
