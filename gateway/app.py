@@ -379,6 +379,7 @@ def make_membership(
         prewarm=True,
         prewarm_recent_s=p.recent_s,
         min_uses=config.drain.min_uses,
+        returning_share=config.drain.returning_share,
     )
     settings = MembershipSettings(
         rehome,

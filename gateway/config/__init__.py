@@ -189,6 +189,10 @@ class DrainConfig:
     # extended it), else the prefix it shared with an earlier prompt there.
     recent_s: float = 600.0
     min_uses: int = 2
+    # ... and all of every chain when at least this share of the worker's recent chains
+    # came back (a chat fleet: those on their first turn will come back too; above 1:
+    # never).
+    returning_share: float = 0.5
     # Pre-warm the hottest re-homed chains on their new homes within prewarm's budget
     # (?prewarm=false: not). Needs prewarm.prompt_store_bytes > 0 (off by default).
     prewarm: bool = True
@@ -665,6 +669,10 @@ def _validate_membership(cfg: GatewayConfig) -> None:
     ):
         _check(value >= 0, key, "must be ≥ 0 (0: off)", value)
     _check(0 <= s.min_factor <= 1, "slow_start.min_factor", "must be in 0..1", s.min_factor)
+    _check(
+        d.returning_share >= 0, "drain.returning_share", "must be ≥ 0 (above 1: never)",
+        d.returning_share,
+    )  # fmt: skip
     _check(p.burst_tokens >= 1, "prewarm.burst_tokens", "must be ≥ 1", p.burst_tokens)
     _check(p.max_in_flight >= 1, "prewarm.max_in_flight", "must be ≥ 1", p.max_in_flight)
 

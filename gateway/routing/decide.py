@@ -110,9 +110,7 @@ class ChainRecorder(Protocol):
     """The chains dispatched per worker, for drains that re-home them
     (``gateway.routing.rehome.ChainLog``)."""
 
-    def dispatched(
-        self, worker_id: str, req: RouteRequest, now: float, matched: int
-    ) -> None: ...
+    def dispatched(self, worker_id: str, req: RouteRequest, now: float, matched: int) -> None: ...
 
 
 class CandidateGate(Protocol):

@@ -30,19 +30,23 @@ store) by default. Only re-sent to a worker of the same fleet, as a prefill-only
 chain of the drained target used within ``recent_s``, its *hot* part is all of it once
 its conversation came back (``uses`` at least ``min_uses``: a later turn extended it),
 else the prefix it reused when it was sent (``reused``: the blocks the target was
-believed to hold already, a sibling's prefix). A hot part the target holds beyond what
-any other candidate holds (by at least ``min_blocks``) gets a new home: the candidate
-with the least ``load + tokens it would have to compute``, where load is its queued
-prefill tokens, plus the tokens of the chains it was sent within ``recent_s`` (the
-conversations it holds: the work they will bring), plus the hot parts this drain already
-gave it; so conversations are spread by load and a chain sharing a long prefix with one
-re-homed before follows it there when that is cheaper. The part is recorded under its
-new home in the prefix index (unpinned, as a peer's recording), so the conversation's
-next turn goes there, and the chain's entry and prompt move to the new home's log.
-Chains never reused are left alone: recording them would push real entries out of the
-homes' index for prompts no engine holds, and pre-warming them would spend the budget on
-prompts that do not come back (measured: BENCHMARKS.md, "Drains and scale-out"). The
-chains of every drained target are planned hottest (most recently used) first.
+believed to hold already, a sibling's prefix); and all of every chain when at least
+``returning_share`` of the target's recent chains came back (a chat fleet, whose
+conversations on their first turn will come back too; on the Mooncake conversation trace
+about 1 % do, and pre-warming them all cost more than it saved). A hot part the target
+holds beyond what any other candidate holds (by at least ``min_blocks``) gets a new
+home: the candidate with the least ``load + tokens it would have to compute``, where
+load is its queued prefill tokens, plus the tokens of the chains it was sent within
+``recent_s`` (the conversations it holds: the work they will bring), plus the hot parts
+this drain already gave it; so conversations are spread by load and a chain sharing a
+long prefix with one re-homed before follows it there when that is cheaper. The part is
+recorded under its new home in the prefix index (unpinned, as a peer's recording), so
+the conversation's next turn goes there, and the chain's entry and prompt move to the
+new home's log. Chains never reused are left alone: recording them would push real
+entries out of the homes' index for prompts no engine holds, and pre-warming them would
+spend the budget on prompts that do not come back (measured: BENCHMARKS.md, "Drains and
+scale-out"). The chains of every drained target are planned hottest (most recently used)
+first.
 
 **Pre-warming** (:class:`PrewarmQueue`): the re-homed parts used within
 ``prewarm_recent_s`` whose prompt is stored are queued, hottest first, as prefill-only
@@ -525,6 +529,9 @@ class RehomeSettings:
     # what of a chain is hot (reused): all of it once its conversation came back (used
     # this many times: a turn extending it), else the prefix it reused when it was sent
     min_uses: int = 2
+    # ... and all of every chain when at least this share of the drained worker's recent
+    # conversations came back (a chat fleet: the ones on their first turn will too)
+    returning_share: float = 0.5
 
 
 @dataclass(slots=True)
@@ -538,6 +545,7 @@ class RehomeReport:
     cold: int = 0  # not used within recent_s
     held_elsewhere: int = 0  # another candidate holds it (or all it still holds) already
     not_reused: int = 0  # its hot part (module docstring) is held elsewhere or too short
+    returning_share: float = 0.0  # of its recent chains, those whose conversation came back
     no_home: int = 0  # no candidate to move it to
     tokens_rehomed: int = 0  # tokens of the re-homed chains the homes did not hold
     homes: dict[str, int] = field(default_factory=dict)  # new home -> chains
@@ -554,6 +562,7 @@ class RehomeReport:
             "chains_cold": self.cold,
             "chains_held_elsewhere": self.held_elsewhere,
             "chains_not_reused": self.not_reused,
+            "returning_share": round(self.returning_share, 4),
             "chains_without_home": self.no_home,
             "tokens_rehomed": self.tokens_rehomed,
             "homes": dict(sorted(self.homes.items())),
@@ -586,6 +595,10 @@ def plan_rehome(
             for w, q in loads.items()}  # fmt: skip
     pool = [(e, wid) for wid in drained for e in log.entries(wid)]
     pool.sort(key=lambda item: -item[0].last_s)
+    recent = [e for e, _ in pool if now - e.last_s <= settings.recent_s]
+    came_back = sum(1 for e in recent if e.uses >= settings.min_uses)
+    returning = bool(recent) and came_back >= settings.returning_share * len(recent)
+    report.returning_share = came_back / len(recent) if recent else 0.0
     items: list[PrewarmItem] = []
     for entry, source in pool:
         report.considered += 1
@@ -596,7 +609,8 @@ def plan_rehome(
         matches = index.match(entry.chain)
         held = matches.get(source, 0)
         elsewhere = max((b for w, b in matches.items() if w not in gone), default=0)
-        hot = min(held, n if entry.uses >= settings.min_uses else entry.reused)
+        whole = returning or entry.uses >= settings.min_uses
+        hot = min(held, n if whole else entry.reused)
         if held - elsewhere < settings.min_blocks:
             report.held_elsewhere += 1
             continue

@@ -175,6 +175,26 @@ def test_only_what_was_reused_is_rehomed_a_siblings_prefix_cut_to_it() -> None:
     assert index.match(lonely).get("b", 0) == index.match(lonely).get("c", 0) == 10
 
 
+def test_when_most_conversations_come_back_first_turns_are_rehomed_whole() -> None:
+    index, log = _setup()
+    for i in range(1, 4):  # three conversations that came back, one on its first turn
+        chain = _chain(i, 20)
+        _dispatch(index, log, "a", chain, 90.0 + i)
+        index.record([*chain, i], "a", 95.0 + i, pin=False)
+        log.record("a", [*chain, i], 500, 95.0 + i, b"next", reused=30)
+    first = _chain(7, 20)
+    index.record(first, "a", 99.0, pin=False)
+    log.record("a", first, 480, 99.0, b"first", reused=10)
+    report, _ = plan_rehome(log, index, ["a"], {"b": 0.0}, 100.0, RehomeSettings())
+    assert report.rehomed == 4 and report.returning_share == 0.75
+    assert index.match(first).get("b") == len(first)
+    log2_index, log2 = _setup()
+    _dispatch(log2_index, log2, "a", first, 99.0)
+    strict = RehomeSettings(returning_share=1.5)  # never
+    report2, _ = plan_rehome(log2, log2_index, ["a"], {"b": 0.0}, 100.0, strict)
+    assert report2.rehomed == 0 and report2.not_reused == 1
+
+
 def test_without_a_prompt_store_nothing_is_queued_and_no_home_is_counted() -> None:
     index, log = _setup(store=False)
     _dispatch(index, log, "a", _chain(1, 20), 100.0)
