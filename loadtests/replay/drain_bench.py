@@ -15,7 +15,8 @@ Sources (8 workers x 430,000 KV tokens, ``min_ttft``):
   turns (an exponential mean); the event at 300 s (about 1,200 sessions open), figures
   over the 600 s after it.
 
-Drain: worker 3 is drained and leaves 60 s later. Join: a ninth worker joins. The budget
+Drain: the worker that served the most requests in the minute before (the busiest) is
+drained and leaves 60 s later. Join: a ninth worker joins. The budget
 is 8,000 pre-warm tokens per second, the slow start window 60 s. Each run's summary is
 written to ``--out/<source>-<event>-<mode>-s<seed>.json``; a run already there is read,
 not run again (``--rerun`` runs it anyway). Rows: the mean over the seeds, and the range.
@@ -32,6 +33,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from loadtests.harness.stats import percentile
 from loadtests.replay.membership import MODES, MembershipPlan
 from loadtests.replay.run import ReplayConfig, run_replay
 
@@ -43,16 +45,25 @@ MULTI_TURN = (
 EVENT_S = {"conversation": 900.0, "multi-turn": 300.0}
 
 
-def config(source: str, event: str, mode: str, seed: int, rate: float) -> ReplayConfig:
+def config(
+    source: str,
+    event: str,
+    mode: str,
+    seed: int,
+    rate: float,
+    min_uses: int = 2,
+    workload_args: Sequence[str] = MULTI_TURN,
+) -> ReplayConfig:
     at = EVENT_S[source]
     plan = MembershipPlan(
         mode=mode,
-        drain_worker=3 if event == "drain" else None,
+        drain_worker=-1 if event == "drain" else None,
         drain_at_s=at,
         drain_period_s=60.0,
         join_at_s=at if event == "join" else None,
         window_s=600.0,
         prewarm_tokens_per_s=rate,
+        min_uses=min_uses,
         slow_start_s=60.0,
     )
     common: dict[str, Any] = {
@@ -61,7 +72,7 @@ def config(source: str, event: str, mode: str, seed: int, rate: float) -> Replay
     }  # fmt: skip
     if source == "conversation":
         return ReplayConfig(trace=TRACE, limit=5000, **common)
-    return ReplayConfig(workload="multi-turn", workload_args=MULTI_TURN, **common)
+    return ReplayConfig(workload="multi-turn", workload_args=tuple(workload_args), **common)
 
 
 def _run(job: tuple[Path, ReplayConfig]) -> str:
@@ -89,25 +100,39 @@ def _cell(values: Sequence[float], fmt: str) -> str:
     return f"{format(mean, fmt)} ({format(lo, fmt)}-{format(hi, fmt)})"
 
 
+def _pooled(groups: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The rows of every seed as one sample: TTFT p50 / p99, hit rate."""
+    rows = [r for g in groups for r in (g.get("rows") or [])]
+    ttfts = [t for t, _, _ in rows if t is not None]
+    prompt = sum(p for _, p, _ in rows)
+    nan = math.nan
+    return {
+        "requests": len(rows),
+        "p50": percentile(ttfts, 50, "linear") if ttfts else nan,
+        "p99": percentile(ttfts, 99, "linear") if ttfts else nan,
+        "hit": sum(c for _, _, c in rows) / prompt if prompt else nan,
+    }
+
+
 def table(runs: dict[tuple[str, str, str], list[dict[str, Any]]], event: str) -> str:
+    """One row per source and mode: the event's rows (affected sessions, or the new
+    worker's requests) pooled over the seeds; every request in the window and the
+    pre-warm as the mean over the seeds (range)."""
     rows = "affected" if event == "drain" else "new_worker"
     lines = [
-        f"| source | mode | {rows} requests | TTFT p50 (s) | p99 (s) | hit rate "
+        f"| source | mode | {rows} requests (seeds pooled) | TTFT p50 (s) | p99 (s) | hit rate "
         "| all in window: p99 (s) | hit rate | pre-warm tokens | / window prefill |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (source, ev, mode), figs in sorted(
-        runs.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][2]))
-    ):
+    order = sorted(runs.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][2])))
+    for (source, ev, mode), figs in order:
         if ev != event:
             continue
         m = [f["membership"] for f in figs]
-        g = [x[rows] for x in m]
+        pooled = _pooled([x[rows] for x in m])
         lines.append(
-            f"| {source} | {mode} | {_cell([x['requests'] for x in g], '.0f')} "
-            f"| {_cell([x['ttft_p50'] for x in g], '.3f')} "
-            f"| {_cell([x['ttft_p99'] for x in g], '.3f')} "
-            f"| {_cell([x['hit_rate'] for x in g], '.3f')} "
+            f"| {source} | {mode} | {pooled['requests']} | {pooled['p50']:.3f} "
+            f"| {pooled['p99']:.3f} | {pooled['hit']:.3f} "
             f"| {_cell([x['window']['ttft_p99'] for x in m], '.3f')} "
             f"| {_cell([x['window']['hit_rate'] for x in m], '.3f')} "
             f"| {_cell([x['prewarm_tokens'] for x in m], ',.0f')} "
@@ -125,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--prewarm-tokens-per-s", type=float, default=8000.0)
+    p.add_argument("--min-uses", type=int, default=2, help="drain.min_uses (2)")
+    p.add_argument("--multi-turn-arg", action="append", default=[], metavar="K=V",
+                   help="override one of the multi-turn workload's arguments")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--rerun", action="store_true")
     p.add_argument("--out", type=Path, required=True)
@@ -132,11 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     keys = [(s, e, m, int(seed)) for s in args.sources.split(",") for e in args.events.split(",")
             for m in args.modes.split(",") for seed in args.seeds.split(",")]  # fmt: skip
+    given = dict(a.split("=", 1) for a in args.multi_turn_arg)
+    wargs = [f"{k}={given.pop(k, v)}" for k, v in (a.split("=", 1) for a in MULTI_TURN)]
+    wargs += [f"{k}={v}" for k, v in given.items()]
     jobs = []
     for s, e, m, seed in keys:
         path = args.out / f"{s}-{e}-{m}-s{seed}.json"
         if args.rerun or not path.exists():
-            jobs.append((path, config(s, e, m, seed, args.prewarm_tokens_per_s)))
+            cfg = config(s, e, m, seed, args.prewarm_tokens_per_s, args.min_uses, wargs)
+            jobs.append((path, cfg))
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for name in pool.map(_run, jobs):
             print("done", name, flush=True)

@@ -3,7 +3,8 @@
 Events on the virtual clock, set by :class:`MembershipPlan` (``--drain K@T``,
 ``--join T``):
 
-- **drain** of worker ``K`` at ``T``: it is flagged draining, as ``POST
+- **drain** of worker ``K`` at ``T`` (``K`` -1: the worker that served the most requests
+  in the minute before): it is flagged draining, as ``POST
   /workers/{id}/drain`` flags it (no new requests; its running ones finish), and leaves
   ``drain_period_s`` later (its index entries and chain log forgotten, as a removal
   forgets them; pre-warms still queued for its chains dropped).
@@ -43,8 +44,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import Any
 
 from gateway.routing.lease import Lease
@@ -89,7 +92,9 @@ class MembershipPlan:
     """The event and the mode (module docstring); picklable, part of ``ReplayConfig``."""
 
     mode: str = "naive"
-    drain_worker: int | None = None  # the worker drained (its index), or None
+    # the worker drained (its index; -1: the one that served most requests in the minute
+    # before), or None
+    drain_worker: int | None = None
     drain_at_s: float = 0.0
     drain_period_s: float = 60.0  # drain to leave
     join_at_s: float | None = None
@@ -98,6 +103,7 @@ class MembershipPlan:
     # the gateway's settings (config: drain, prewarm, slow_start)
     rehome_recent_s: float = 600.0
     min_uses: int = 2
+    returning_share: float = 0.5
     prewarm_recent_s: float = 300.0
     prewarm_tokens_per_s: float = 8000.0
     prewarm_burst_tokens: int = 65536
@@ -116,10 +122,13 @@ class MembershipPlan:
 
 
 def parse_drain(spec: str) -> tuple[int, float]:
-    """``K@T`` → (worker index K, time T in seconds of the replay's clock)."""
+    """``K@T`` → (worker index K, time T in seconds of the replay's clock); ``busiest@T``:
+    K is -1 (the worker that served the most requests in the minute before T)."""
     k, sep, t = spec.partition("@")
-    if not sep or not k.isdigit():
-        raise ValueError(f"--drain expects K@T (worker index @ seconds), got {spec!r}")
+    if k == "busiest":
+        k = "-1"
+    if not sep or not k.lstrip("-").isdigit():
+        raise ValueError(f"--drain expects K@T or busiest@T (seconds), got {spec!r}")
     return int(k), float(t)
 
 
@@ -203,6 +212,7 @@ class MembershipSimulation(Simulation):
         self.report: RehomeReport | None = None
         self.job: PrewarmJob | None = None
         self.affected: set[int] = set()
+        self.drained: int | None = None  # the drained worker's index, once drained
         self.joined: str | None = None
         self.event_s = plan.drain_at_s if plan.drain_worker is not None else plan.join_at_s or 0.0
         self._requests: Sequence[WorkloadRequest] = ()
@@ -266,6 +276,11 @@ class MembershipSimulation(Simulation):
     def _drain(self, now: float) -> None:
         k = self.plan.drain_worker
         assert k is not None
+        if k < 0:  # the busiest: most requests in the minute before
+            minute = takewhile(lambda r: r.arrival_s >= now - 60, reversed(self.records))
+            recent = Counter(r.worker for r in minute)
+            k = max(range(len(self.gw)), key=lambda j: (recent[self.gw[j].id], -j))
+        self.drained = k
         worker = self.gw[k]
         worker.flags.add(HealthFlag.DRAINING)
         self.affected = self._affected(k, now)
@@ -273,7 +288,8 @@ class MembershipSimulation(Simulation):
             return
         settings = RehomeSettings(recent_s=self.plan.rehome_recent_s, prewarm=True,
                                   prewarm_recent_s=self.plan.prewarm_recent_s,
-                                  min_uses=self.plan.min_uses)  # fmt: skip
+                                  min_uses=self.plan.min_uses,
+                                  returning_share=self.plan.returning_share)  # fmt: skip
         if self.plan.mode == "cache_aware":
             self.job = PrewarmJob(REASON_DRAIN, worker.id, now + self.plan.drain_period_s)
         loads = {w.id: float(w.queued_prefill_tokens) for w in self.routable()}
@@ -283,7 +299,7 @@ class MembershipSimulation(Simulation):
         self._pump(now)
 
     def _leave(self, now: float) -> None:
-        k = self.plan.drain_worker
+        k = self.drained
         assert k is not None
         wid = self.gw[k].id
         self.index.forget_worker(wid)
@@ -404,10 +420,10 @@ class MembershipSimulation(Simulation):
             "rehome": None if self.report is None else self.report.as_dict(self.now),
         }
         if plan.drain_worker is not None:
-            out["affected"] = _group([r for r in window if r.index in self.affected])
-            out["drained"] = self.gw[plan.drain_worker].id
+            out["affected"] = _group([r for r in window if r.index in self.affected], True)
+            out["drained"] = None if self.drained is None else self.gw[self.drained].id
         if self.joined is not None:
-            out["new_worker"] = _group([r for r in window if r.worker == self.joined])
+            out["new_worker"] = _group([r for r in window if r.worker == self.joined], True)
             out["joined"] = self.joined
             share = sum(1 for r in window if r.worker == self.joined)
             out["new_worker_share"] = share / len(window) if window else math.nan
@@ -416,10 +432,14 @@ class MembershipSimulation(Simulation):
         return out
 
 
-def _group(records: Sequence[RequestRecord]) -> dict[str, Any]:
+def _group(records: Sequence[RequestRecord], keep: bool = False) -> dict[str, Any]:
+    """TTFT percentiles (from arrival), hit rate, prefill tokens of ``records``; with
+    ``keep``, each one's TTFT and prompt and cached tokens too (for pooling runs)."""
     ttfts = [t for r in records if (t := r.ttft_s) is not None]
     prompt = sum(r.prompt_tokens for r in records)
+    rows = [(r.ttft_s, r.prompt_tokens, r.cached_tokens) for r in records] if keep else None
     return {
+        "rows": rows,
         "requests": len(records),
         "ttft_p50": percentile(ttfts, 50, "linear") if ttfts else math.nan,
         "ttft_p99": percentile(ttfts, 99, "linear") if ttfts else math.nan,
@@ -436,7 +456,9 @@ def add_membership_args(parser: argparse.ArgumentParser) -> None:
     """``--drain K@T``, ``--join T``, ``--membership MODE`` and the gateway's settings."""
     g = parser.add_argument_group("drain / scale-out (issue 20; loadtests/replay/membership.py)")
     g.add_argument(
-        "--drain", metavar="K@T", help="drain worker K at T s; it leaves after --drain-period"
+        "--drain",
+        metavar="K@T",
+        help="drain worker K (or busiest) at T s; it leaves after --drain-period",
     )
     g.add_argument("--drain-period", type=float, default=60.0, help="drain to leave, s (60)")
     g.add_argument("--join", type=float, metavar="T", help="a worker joins at T s")
