@@ -77,7 +77,7 @@ from loadtests.bench.client import Outcome, ReplayItem, replay
 from loadtests.bench.live import BenchSim, _code_state, parse_spec, prepare, router_available
 from loadtests.bench.report import ContenderResult, merge
 from loadtests.bench.workers import WorkerDelta, deltas, flush_all, read_all
-from loadtests.harness.gateway_proc import ROUTER_MODULES
+from loadtests.harness.gateway_proc import ROUTER_MODULES, router_ready
 from loadtests.harness.ports import free_port, free_port_range
 from loadtests.harness.procs import NotReady, cpu_seconds, http_get, running, wait_until
 from loadtests.harness.sim_fleet import run_sim_fleet
@@ -166,19 +166,6 @@ def router_command(arm: Arm, fleets: Fleets, port: int) -> list[str]:
     return args
 
 
-def _ready(url: str, workers: int) -> bool:
-    """``/readiness`` is 200 and, where its JSON counts them, every worker is healthy (both
-    routers register their workers after they start listening)."""
-    body = http_get(url + "/readiness", 2.0)
-    if body is None:
-        return False
-    try:
-        healthy = json.loads(body).get("healthy_workers", workers)
-    except (ValueError, AttributeError):
-        return True
-    return bool(healthy == workers)
-
-
 @contextlib.contextmanager
 def run_router(
     arm: Arm, fleets: Fleets, log: Path, timeout_s: float = 30.0
@@ -189,7 +176,8 @@ def run_router(
     log.parent.mkdir(parents=True, exist_ok=True)
     with running(router_command(arm, fleets, port), log=log, stdin=subprocess.DEVNULL) as proc:
         try:
-            wait_until(lambda: _ready(url, len(fleets.of(arm))), timeout_s, watch=[proc])
+            workers = len(fleets.of(arm))
+            wait_until(lambda: router_ready(url, workers, "/readiness"), timeout_s, watch=[proc])
         except NotReady:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
             raise RuntimeError(f"{arm.spec} did not become ready:\n{tail}") from None

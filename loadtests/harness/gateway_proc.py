@@ -36,8 +36,10 @@ class GatewayProcess:
     log_path: Path
 
 
-def _ready(url: str, workers: int) -> bool:
-    body = http_get(url + "/health", 2.0)
+def router_ready(url: str, workers: int, path: str = "/health") -> bool:
+    """``path`` answers 200 and, where its JSON counts them, every worker is healthy (a
+    router registers its workers after it starts listening)."""
+    body = http_get(url + path, 2.0)
     if body is None:
         return False
     try:
@@ -69,7 +71,9 @@ def run_gateway(
     url = f"http://127.0.0.1:{port}"
     with running(args, log=log_path, stdin=subprocess.DEVNULL) as process:
         try:
-            wait_until(lambda: _ready(url, len(worker_urls)), startup_timeout_s, watch=[process])
+            wait_until(
+                lambda: router_ready(url, len(worker_urls)), startup_timeout_s, watch=[process]
+            )
         except NotReady:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
             raise RuntimeError(f"{router} ({policy}) did not become ready:\n{tail}") from None
