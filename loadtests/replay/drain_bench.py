@@ -17,7 +17,8 @@ Sources (8 workers x 430,000 KV tokens, ``min_ttft``):
 
 Drain: the worker that served the most requests in the minute before (the busiest) is
 drained and leaves 60 s later. Join: a ninth worker joins. The budget
-is 8,000 pre-warm tokens per second, the slow start window 60 s. Each run's summary is
+is 32,000 pre-warm tokens per second (``--prewarm-tokens-per-s``; 4x the gateway's default,
+under one simulated H100's prefill rate), the slow start window 60 s. Each run's summary is
 written to ``--out/<source>-<event>-<mode>-s<seed>.json``; a run already there is read,
 not run again (``--rerun`` runs it anyway). Rows: the mean over the seeds, and the range.
 """
@@ -53,11 +54,12 @@ def config(
     rate: float,
     min_uses: int = 2,
     workload_args: Sequence[str] = MULTI_TURN,
+    drain_worker: int = -1,
 ) -> ReplayConfig:
     at = EVENT_S[source]
     plan = MembershipPlan(
         mode=mode,
-        drain_worker=-1 if event == "drain" else None,
+        drain_worker=drain_worker if event == "drain" else None,
         drain_at_s=at,
         drain_period_s=60.0,
         join_at_s=at if event == "join" else None,
@@ -149,8 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--events", default="drain,join")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--prewarm-tokens-per-s", type=float, default=8000.0)
+    p.add_argument("--prewarm-tokens-per-s", type=float, default=32000.0)
     p.add_argument("--min-uses", type=int, default=2, help="drain.min_uses (2)")
+    p.add_argument("--drain-worker", type=int, default=-1, help="its index (-1: the busiest)")
     p.add_argument("--multi-turn-arg", action="append", default=[], metavar="K=V",
                    help="override one of the multi-turn workload's arguments")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2)
@@ -167,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s, e, m, seed in keys:
         path = args.out / f"{s}-{e}-{m}-s{seed}.json"
         if args.rerun or not path.exists():
-            cfg = config(s, e, m, seed, args.prewarm_tokens_per_s, args.min_uses, wargs)
+            cfg = config(s, e, m, seed, args.prewarm_tokens_per_s, args.min_uses, wargs,
+                         args.drain_worker)  # fmt: skip
             jobs.append((path, cfg))
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for name in pool.map(_run, jobs):
