@@ -69,6 +69,15 @@ class TransferProfile:
         return 0.0 if rate == float("inf") else nbytes / rate
 
 
+# no transfer time (what-if runs, tests): in both tables below
+INSTANT = TransferProfile(
+    "instant",
+    "no transfer time (what-if runs, tests)",
+    link_gb_s=0.0,
+    efficiency=1.0,
+    fixed_latency_s=0.0,
+)
+
 TRANSFER_PROFILES: dict[str, TransferProfile] = {
     p.name: p
     for p in (
@@ -103,13 +112,7 @@ TRANSFER_PROFILES: dict[str, TransferProfile] = {
             efficiency=0.8,
             fixed_latency_s=1e-3,
         ),
-        TransferProfile(
-            "instant",
-            "no transfer time (what-if runs, tests)",
-            link_gb_s=0.0,
-            efficiency=1.0,
-            fixed_latency_s=0.0,
-        ),
+        INSTANT,
     )
 }
 DEFAULT_TRANSFER_PROFILE = "rdma-400g"
@@ -172,13 +175,7 @@ HOST_LINK_PROFILES: dict[str, TransferProfile] = {
             efficiency=0.8,
             fixed_latency_s=0.2e-3,
         ),
-        TransferProfile(
-            "instant",
-            "no transfer time (what-if runs, tests)",
-            link_gb_s=0.0,
-            efficiency=1.0,
-            fixed_latency_s=0.0,
-        ),
+        INSTANT,
     )
 }
 DEFAULT_HOST_LINK = "pcie-gen5-x16"
