@@ -30,6 +30,7 @@ Cost: a regular-expression match per target; a few dictionary looks per header.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -71,6 +72,7 @@ _SEGMENTS = re.compile(r"(?:/[A-Za-z0-9._~-]+)+")
 _DOT_SEGMENT = re.compile(r"/\.\.?(?:/|$)")
 
 
+@functools.lru_cache(maxsize=256)  # a handful of API paths; a refused one is not cached
 def upstream_target(raw_target: str) -> str:
     """The canonical origin-form path for ``raw_target`` (see the module contract)."""
     path = unquote(urlsplit(raw_target).path, errors="strict")

@@ -60,7 +60,7 @@ from gateway.forward.outbound import (
     forwarded_headers,
     upstream_target,
 )
-from gateway.forward.sse import EventFramer, EventTooLarge, parse
+from gateway.forward.sse import EventFramer, EventTooLarge, ends_with_done, parse
 from gateway.forward.upstream import FirstByteTimeout, UpstreamError, UpstreamPool, UpstreamResponse
 
 __all__ = ["HOP_BY_HOP", "AttemptFailed", "ClientGone", "Outcome"]
@@ -332,8 +332,8 @@ async def _relay_sse(
     chunk = await _first_chunk(upstream)
     outcome = Outcome(status=200, ttft_s=time.perf_counter() - started)
     on_first_byte()
-    response = web.StreamResponse(status=200, headers=_response_headers(upstream, extra_headers))
-    await _client_write(response, response.prepare(request))
+    response = _EventStream(status=200, headers=_response_headers(upstream, extra_headers))
+    await _client_write(response, response.prepare(request))  # the head waits for a write
     limits = upstream.limits
     framer = EventFramer(limits.max_event_bytes)
     watch = _WriteWatch(request, limits.client_stall_s)
@@ -355,16 +355,21 @@ async def _relay_sse(
                         last_details = events
                     if transform is not None:
                         events = transform(events)
-                    await _write(response, events, watch, loop)
+                    # the last events and the body's end leave in one write when the
+                    # worker's body ended too (else the end waits for the rest dropped)
+                    await _write(response, events, watch, loop, framer.done and upstream.ended)
                     delivered = framer.done
                     if delivered:
                         await _drop_rest(upstream)
                         break
+                elif not response.head_sent:  # the first event is still incomplete
+                    await _write(response, b"", watch, loop)
                 chunk = await upstream.readany()
             else:
                 events = framer.end()  # the body ended cleanly: a last unterminated event
                 if events:
-                    await _write(response, transform(events) if transform else events, watch, loop)
+                    events = transform(events) if transform else events
+                    await _write(response, events, watch, loop, last=framer.done)
                     delivered = framer.done
                 if not framer.done:
                     raise UpstreamError("dropped", "the stream ended without [DONE]")
@@ -407,6 +412,8 @@ async def _relay_sse(
 
 def _through_done(events: bytes) -> bytes:
     """``events`` (whole, LF-normalised) up to and including the first ``[DONE]`` one."""
+    if events.find(_DONE) == len(events) - len(_DONE) - 2 and ends_with_done(events):
+        return events  # the common case: [DONE] is the last event and no earlier one
     end = 0
     for part in events.split(b"\n\n"):
         end += len(part) + 2
@@ -420,6 +427,9 @@ async def _drop_rest(upstream: UpstreamResponse) -> None:
     ``_AFTER_DONE_BYTES`` of it within ``_AFTER_DONE_S`` (SGLang ends its body at once, and
     the connection is reused); a worker that goes on, or stays silent, is cut there,
     rather than hold the request (its lease, the client's response) until the deadline."""
+    if upstream.ended:  # the common case: nothing left, the connection is pooled already
+        upstream.close()
+        return
     left = _AFTER_DONE_BYTES
     try:
         async with asyncio.timeout(_AFTER_DONE_S):
@@ -441,12 +451,18 @@ def _uncancel() -> None:
 
 
 async def _write(
-    response: web.StreamResponse, data: bytes, watch: _WriteWatch, loop: asyncio.AbstractEventLoop
+    response: _EventStream,
+    data: bytes,
+    watch: _WriteWatch,
+    loop: asyncio.AbstractEventLoop,
+    last: bool = False,
 ) -> None:
-    """One client write (awaits the drain: back-pressure), watched for a stalled client."""
+    """One client write (awaits the drain: back-pressure), watched for a stalled client;
+    ``last``: with the end of the body (the chunked encoding's last chunk)."""
     watch.since = loop.time()
+    response.head_sent = True
     try:
-        await response.write(data)
+        await (response.write_eof(data) if last else response.write(data))
     except (ConnectionResetError, aiohttp.ClientConnectionResetError, OSError) as exc:
         raise ClientGone(response) from exc
     finally:
@@ -456,6 +472,16 @@ async def _write(
 def _client_held(upstream: UpstreamResponse, exc: BaseException) -> bool:
     """The deadline cut a stream the client was holding back (not the worker's fault)."""
     return isinstance(exc, TimeoutError) and upstream.expired and upstream.held_by_reader
+
+
+class _EventStream(web.StreamResponse):
+    """The relayed event stream. Its head is held until the first body write and leaves
+    with it, in one ``send`` (aiohttp's buffered-head mode, the one ``web.Response`` uses):
+    on loopback each send costs the gateway the receiver's wake-up too. The relay writes
+    the head alone (``write(b"")``) when the worker's first bytes hold no whole event."""
+
+    _send_headers_immediately = False
+    head_sent = False  # set by the relay's first write
 
 
 class ClientGone(Exception):

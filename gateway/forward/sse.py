@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 _BLANK = b"\n\n"
 _DONE_MARK = b"[DONE]"
+_DONE_EVENTS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n")
 _BOM = "\ufeff"
 
 
@@ -111,7 +112,7 @@ class EventFramer:
         if len(events) > self._max:  # whole events that came in one piece obey it too
             events = self._within_bound(events)
         if not self.done and _DONE_MARK in events:
-            self.done = any(e.data == "[DONE]" for e in parse(events))
+            self.done = ends_with_done(events) or any(e.data == "[DONE]" for e in parse(events))
         return events
 
     def _within_bound(self, events: bytes) -> bytes:
@@ -123,6 +124,18 @@ class EventFramer:
                 self._too_large = EventTooLarge(f"an event exceeds {self._max} bytes")
                 return b"".join(p + _BLANK for p in parts[:index])
         return events
+
+
+def ends_with_done(events: bytes) -> bool:
+    """Whole, LF-normalised ``events`` (from an event's start) end with an event that is
+    the one line ``data: [DONE]`` (or ``data:[DONE]``), alone or after a blank line: the
+    common end of a stream, found without decoding anything. False says nothing
+    (:func:`parse` decides)."""
+    for last in _DONE_EVENTS:
+        if events.endswith(last):
+            size = len(last)
+            return len(events) == size or events[-size - 2 : -size] == _BLANK
+    return False
 
 
 def parse(events: bytes) -> list[Event]:

@@ -598,6 +598,11 @@ class UpstreamResponse:
         return None
 
     @property
+    def ended(self) -> bool:
+        """The body was read to its end: nothing buffered, nothing more to come."""
+        return self._complete and not self._chunks and self._error is None
+
+    @property
     def expired(self) -> bool:
         """The answer was cut by its deadline (or its head's)."""
         return self._expired

@@ -190,6 +190,8 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
     if length is not None and length > limit:
         raise GatewayError(413, f"request body of {length} bytes exceeds the limit of {limit}")
     try:
+        if request.content.is_eof():  # the whole body came with the head: no wait, no timer
+            return await request.read()
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:

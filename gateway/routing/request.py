@@ -37,6 +37,7 @@ from enum import StrEnum
 from typing import Any
 
 import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
 from xxhash import xxh3_64_hexdigest
 
 from gateway.config import ROUTING_KEY_HEADERS
@@ -48,6 +49,8 @@ _FIELD_END = "\x1f"
 _MESSAGE_END = "\x1e"
 _PART_MARK = "\x1d"
 _TOKEN_ID_BYTES = 4  # token ids packed as uint32
+# header mappings whose get() ignores case (aiohttp's): no scan of every name after a miss
+_CASE_INSENSITIVE = (CIMultiDictProxy, CIMultiDict)
 
 
 class ApiKind(StrEnum):
@@ -229,14 +232,19 @@ _STRING_FIELDS = ("user", "cache_salt", "extra_key")  # lora_path may be a list 
 
 
 def _check_numbers(obj: Mapping[str, Any]) -> None:
+    # a field absent (or null) is skipped before any call: most bodies have one or two
+    get = obj.get
     for key in _INT_FIELDS:
-        value = _opt_type(obj, key, int, "an integer")
-        if value is not None and key != "seed" and key != "top_k" and value < 0:
-            raise RequestError(400, f"'{key}' must be a non-negative integer", param=key)
+        if get(key) is not None:
+            value = _opt_type(obj, key, int, "an integer")
+            if key != "seed" and key != "top_k" and value < 0:
+                raise RequestError(400, f"'{key}' must be a non-negative integer", param=key)
     for key in _NUMBER_FIELDS:
-        _opt_type(obj, key, (int, float), "a number")
+        if get(key) is not None:
+            _opt_type(obj, key, (int, float), "a number")
     for key in _STRING_FIELDS:
-        _opt_type(obj, key, str, "a string")
+        if get(key) is not None:
+            _opt_type(obj, key, str, "a string")
     params = _opt_type(obj, "sampling_params", dict, "an object")
     if params is not None:
         value = _opt_type(params, "max_new_tokens", int, "an integer")
@@ -267,7 +275,7 @@ def _routing_key(
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
     value = headers.get(name)  # case-insensitive already for aiohttp's CIMultiDict
-    if value is not None:
+    if value is not None or isinstance(headers, _CASE_INSENSITIVE):
         return value
     for key, val in headers.items():
         if key.lower() == name:

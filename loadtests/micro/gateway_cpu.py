@@ -2,6 +2,7 @@
 
     python -m loadtests.micro.gateway_cpu [--workers 2] [--duration 6] [--concurrency 32]
         [--rounds 3] [--gateway LABEL=DIR ...] [--simulator-from DIR] [--no-router]
+        [--policy round_robin]
 
 Why another bench: ``loadtests.micro.gateway`` measures what a client sees (requests/s,
 latency); a change to the request path's parser shows first in the gateway's own CPU
@@ -131,7 +132,9 @@ def run(args: argparse.Namespace) -> str:
         )
         for (label, tree), port in zip(trees.items(), ports, strict=False):
             log = logs / f"gateway-{len(targets)}.log"
-            pid = stack.enter_context(_process(_gateway_cmd(port, urls), log, cwd=tree))
+            cmd = _gateway_cmd(port, urls)
+            cmd[cmd.index("--policy") + 1] = args.policy
+            pid = stack.enter_context(_process(cmd, log, cwd=tree))
             targets[label] = (f"http://127.0.0.1:{port}", pid)
         if router:
             pid = stack.enter_context(_process(_router_cmd(ports[-1], urls), logs / "router.log"))
@@ -156,7 +159,8 @@ def run(args: argparse.Namespace) -> str:
                     cell.requests += result["requests"]
     paths = list(targets)
     notes = [
-        f"- settings: {args.workers} simulated workers, {args.rounds} interleaved rounds, "
+        f"- settings: gateways' policy {args.policy}, {args.workers} simulated workers, "
+        f"{args.rounds} interleaved rounds, "
         f"closed loop at {args.concurrency} concurrent for {args.duration:g} s per cell, "
         f"chat with max_tokens 8; machine: {os.cpu_count()} cores shared by every process."
     ]
@@ -181,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--simulator-from", metavar="DIR", help="run the simulated workers from this tree"
     )
     parser.add_argument("--no-router", action="store_true", help="leave sglang-router out")
+    parser.add_argument(
+        "--policy", default="round_robin", help="the gateways' policy (sglang-router: round_robin)"
+    )
     print(run(parser.parse_args(argv)))
     return 0
 
