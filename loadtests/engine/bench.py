@@ -5,7 +5,9 @@ workload (8 prefixes of 1,800 tokens, 6 requests each, shuffled, 2 closed-loop c
 Each run replays the same request order with fresh text (a new ``text_salt``), so no
 run inherits another's cache. Per run: the engine-reported cached fraction
 (``Δprompt_tokens_cached_total / Δ(cached + prompt_tokens_total)`` over all workers),
-client-side TTFT p50/p90 (first streamed event), wall time, failures.
+client-side TTFT p50/p90 (first streamed event), wall time, failures, and the router
+process's CPU milliseconds per request (``/proc``, its whole process over the run: on a
+machine whose cores the engines share, the router's CPU is taken from them).
 
 Targets: ``gateway:<policy>`` (the project's gateway as a subprocess),
 ``sglang-router:<policy>`` (sglang-router 0.3.2, the ``bench`` extra), and client-side
@@ -84,6 +86,7 @@ from loadtests.engine.workload import (
     shared_prefix_requests,
 )
 from loadtests.harness.gateway_proc import ROUTER_MODULES, run_gateway
+from loadtests.harness.procs import cpu_seconds
 from loadtests.harness.sim_fleet import SimSettings, run_sim_fleet
 
 # The simulator's profile for these workers: tiny-llamacpp is fitted to REAL_ENGINE.md's
@@ -158,10 +161,12 @@ def run_target(
             if kind == "sglang-router" and wait_router_workers_s > 0:
                 waited = wait_router_workers(gw.url, len(urls), wait_router_workers_s)
                 print(f"# {label}: sglang-router listed its workers after {waited:.2f} s")
+            cpu_before = cpu_seconds(gw.pid)
             row = _run(
                 target, urls, lambda _: gw.url, requests, concurrency, engine_counters,
                 settle_s, records,
             )  # fmt: skip
+            row = replace(row, router_cpu_s=cpu_seconds(gw.pid) - cpu_before)
             if kind == "gateway":
                 save_decisions(gw.url, log_dir / f"{label}.decisions.json")
             return row
@@ -246,25 +251,8 @@ def markdown_table(rows: Sequence[RunResult]) -> str:
     if any(r.engine_ttft_mean_s == r.engine_ttft_mean_s for r in rows):  # not all NaN
         return _sglang_table(rows)
     lines = [
-        "| target | cached fraction (engines) | (usage) | TTFT p50 | TTFT p90 | wall | failed |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if r.requests == 0:
-            lines.append(f"| {r.target} | not run: {r.error} | | | | | |")
-            continue
-        lines.append(
-            f"| {r.target} | {r.cached_fraction:.2f} | {r.reported_fraction:.2f} | "
-            f"{r.ttft_p50_s:.3f} s | "
-            f"{r.ttft_p90_s:.3f} s | {r.wall_s:.1f} s | {r.failures}/{r.requests} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _sglang_table(rows: Sequence[RunResult]) -> str:
-    lines = [
-        "| target | cached fraction (engines) | (usage) | engine TTFT mean | TTFT p50 | "
-        "TTFT p90 | wall | failed |",
+        "| target | cached fraction (engines) | (usage) | TTFT p50 | TTFT p90 | wall | failed "
+        "| router CPU ms/request |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -273,10 +261,37 @@ def _sglang_table(rows: Sequence[RunResult]) -> str:
             continue
         lines.append(
             f"| {r.target} | {r.cached_fraction:.2f} | {r.reported_fraction:.2f} | "
-            f"{r.engine_ttft_mean_s:.3f} s | {r.ttft_p50_s:.3f} s | {r.ttft_p90_s:.3f} s | "
-            f"{r.wall_s:.1f} s | {r.failures}/{r.requests} |"
+            f"{r.ttft_p50_s:.3f} s | "
+            f"{r.ttft_p90_s:.3f} s | {r.wall_s:.1f} s | {r.failures}/{r.requests} | "
+            f"{_router_cpu(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _sglang_table(rows: Sequence[RunResult]) -> str:
+    lines = [
+        "| target | cached fraction (engines) | (usage) | engine TTFT mean | TTFT p50 | "
+        "TTFT p90 | wall | failed | router CPU ms/request |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.requests == 0:
+            lines.append(f"| {r.target} | not run: {r.error} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r.target} | {r.cached_fraction:.2f} | {r.reported_fraction:.2f} | "
+            f"{r.engine_ttft_mean_s:.3f} s | {r.ttft_p50_s:.3f} s | {r.ttft_p90_s:.3f} s | "
+            f"{r.wall_s:.1f} s | {r.failures}/{r.requests} | {_router_cpu(r)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _router_cpu(r: RunResult) -> str:
+    """The router's CPU milliseconds per request of the run (its whole process: health
+    probes and load polls included); "none" for a client-side target."""
+    if r.router_cpu_s != r.router_cpu_s or r.requests == 0:  # NaN: no router
+        return "none"
+    return f"{1000 * r.router_cpu_s / r.requests:.1f}"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ class RunResult:
     reported_fraction: float = float("nan")  # Σ usage cached_tokens / Σ prompt_tokens
     error: str = ""
     engine_ttft_mean_s: float = float("nan")  # SGLang's TTFT histogram; NaN elsewhere
+    router_cpu_s: float = float("nan")  # the router process's CPU during the run; NaN direct
 
 
 def reported_fraction(results: Sequence[ChatResult]) -> float:
