@@ -46,6 +46,7 @@ from gateway.routing.cost_model import CostModel
 from gateway.routing.decide import RoutingCore, TtftEstimate
 from gateway.routing.decisions import DecisionLog
 from gateway.routing.policy_set import PolicySet
+from gateway.routing.prefill_gate import PrefillGate
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.prewarm import Membership, MembershipSettings, Stored
 from gateway.routing.rehome import ChainLog, PrewarmQueue, PromptStore, RehomeSettings, TokenBudget
@@ -54,6 +55,7 @@ from gateway.routing.router import Forwarding, Router
 from gateway.routing.slot_gate import SlotGate
 from gateway.routing.tokens import TokenAccounting
 from gateway.tasks import TaskSet
+from gateway.telemetry.gates import GateCollector
 from gateway.telemetry.hub import Telemetry, TelemetryConfig
 from gateway.telemetry.membership import MembershipTelemetry
 from gateway.telemetry.tracing import TracingConfig
@@ -273,12 +275,13 @@ def _named(model: str | None) -> frozenset[str]:
 
 @dataclass(frozen=True, slots=True)
 class _Routing:
-    """The routing state the runtime builds: prefix index, cost model, slot gate."""
+    """The routing state the runtime builds: prefix index, cost model, the gates."""
 
     index: PrefixIndex
     costs: CostModel
     slots: SlotGate
     tokens: TokenAccounting
+    prefill: PrefillGate
 
 
 def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
@@ -298,12 +301,15 @@ def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
         return (costs.cost(worker_id).prefill_per_token_s or 0.0) * index.block_tokens(worker_id)
 
     slots = SlotGate(index, config.prefix_index.slot_wait_s, seconds_per_block=seconds_per_block)
+    prefill = PrefillGate(
+        index, config.prefix_index.prefill_wait_s, seconds_per_block=seconds_per_block
+    )
     tokens = TokenAccounting(
         config.request.chars_per_token,
         config.request.block_chars,
         on_worker_ratio=index.set_block_tokens,
     )
-    return _Routing(index, costs, slots, tokens)
+    return _Routing(index, costs, slots, tokens, prefill)
 
 
 def _follow_membership(
@@ -330,6 +336,7 @@ def _follow_membership(
     def forget_target(target: Worker) -> None:
         routing.tokens.forget_worker(target.id)
         routing.slots.forget_worker(target.id)
+        routing.prefill.forget_worker(target.id)
         index.forget_worker(target.id)
         routing.costs.forget_worker(target.id)
 
@@ -475,6 +482,8 @@ async def _runtime(
         tokens=routing.tokens,
     )
     telemetry.use_snapshot(snapshot)
+    gates = {"slot": routing.slots.stats, "prefill": routing.prefill.stats}
+    telemetry.registry.register(GateCollector(gates))
     outlier.on_eject.append(lambda w: telemetry.worker_ejected(w.id))
     registry.on_target_removed(lambda t: telemetry.forget_worker(t.id))
     _follow_membership(routing, registry, health, load, lambda w: pool.forget(w.url))
@@ -505,6 +514,7 @@ async def _runtime(
         hooks=TelemetryHooks(telemetry),
         slots=routing.slots,
         exact=exact,
+        prefill=routing.prefill,
         decode_core=make_decode_core(config, core),
     )
     membership = app[admin.MEMBERSHIP] = make_membership(config, app, core, index, session)

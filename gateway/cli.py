@@ -98,6 +98,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "prefix_index.slot_wait_s",
         {"type": float, "help": "hold a request for a busy slot with its prefix (2; 0 off)"},
     ),
+    "--prefill-wait-secs": (
+        "prefix_index.prefill_wait_s",
+        {"type": float, "help": "hold a sibling of a prompt in prefill on SGLang (2; 0 off)"},
+    ),
     "--slow-start-window-secs": (
         "slow_start.window_s",
         {"type": float, "help": "a worker added at run time ramps its share this long (0 off)"},

@@ -170,6 +170,12 @@ class PrefixIndexConfig:
     # Longest a request is held for a busy slot holding its prefix on a worker whose slots
     # share no KV (llama.cpp); 0 = never hold (gateway/routing/slot_gate.py).
     slot_wait_s: float = 2.0
+    # Longest a request is held, on an SGLang worker, while a request sharing its prefix
+    # is in prefill there, so that it goes after that prompt is cached and hits (fcfs
+    # prefills same-step siblings together, each computing the prefix); 0 = never hold
+    # (gateway/routing/prefill_gate.py). Once the worker's prefill cost is calibrated, at
+    # most about the prefill time the wait saves.
+    prefill_wait_s: float = 2.0
     # Per worker, the chains (ordered block lists of prompts) dispatched there lately and
     # when each was last used, so a drain can re-home them (gateway/routing/rehome.py):
     # at most this many (a conversation's turns are one), and no more blocks than twice
@@ -745,6 +751,12 @@ def _validate_workers(cfg: GatewayConfig) -> None:
         "prefix_index.slot_wait_s",
         "must be ≥ 0",
         cfg.prefix_index.slot_wait_s,
+    )
+    _check(
+        cfg.prefix_index.prefill_wait_s >= 0,
+        "prefix_index.prefill_wait_s",
+        "must be ≥ 0",
+        cfg.prefix_index.prefill_wait_s,
     )
 
 

@@ -1,5 +1,5 @@
 """The request path's I/O around the routing core: candidates → (``gateway.routing.decide``:
-views, ``policy.select``, record, lease) → slot gate → send → relay → feedback, with
+views, ``policy.select``, record, lease) → slot or prefill gate → send → relay → feedback, with
 retries on a different worker.
 
 Contract:
@@ -39,6 +39,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.config import GatewayConfig
+from gateway.config.workerspec import SGLANG
 from gateway.errors import GatewayError
 from gateway.forward import relay
 from gateway.forward.credentials import WorkerCredentials
@@ -50,6 +51,7 @@ from gateway.routing.decisions import DecisionLog, DecisionOutcome, DecisionReco
 from gateway.routing.lease import Lease
 from gateway.routing.lora import AdapterLoads, adapter_candidates, load_adapter, replica_load
 from gateway.routing.models import ModelRoute, ModelRoutes
+from gateway.routing.prefill_gate import PrefillGate
 from gateway.routing.request import DP_RANK_KEYS, ApiKind, RouteRequest
 from gateway.routing.slot_gate import SlotGate
 from gateway.workers.kinds import dp_rank_key, kind_named
@@ -152,6 +154,7 @@ class Router:
         hooks: RouterHooks | None = None,
         slots: SlotGate | None = None,
         exact: ExactSource | None = None,
+        prefill: PrefillGate | None = None,
         decode_core: RoutingCore | None = None,
     ) -> None:
         self.core = core
@@ -165,6 +168,7 @@ class Router:
         self._drop = forwarding.credentials.drop  # the client's, when they must not go up
         self._worker_auth = forwarding.credentials.session_headers()
         self._slots = slots
+        self._prefill = prefill  # SGLang workers: siblings wait for a prefill in progress
         self._exact = exact
         self._max_attempts = 1 + config.retry.max_retries
         self._lora = config.lora
@@ -286,9 +290,9 @@ class Router:
     async def _attempt(
         self, call: _Call, choice: Choice, record: DecisionRecord, final: bool
     ) -> web.StreamResponse:
-        """One attempt on one worker. Over 60 lines on purpose: the slot ticket, the lease
-        and the upstream connection are each released on every exit, and one try/finally
-        that shows all three is easier to check than three helpers that each hold one."""
+        """One attempt on one worker. Over 60 lines on purpose: the gates' places, the
+        lease and the upstream connection are each released on every exit, and one
+        try/finally that shows them all is easier to check than helpers that each hold one."""
         req, worker = call.req, choice.worker
         # the gateway's own rid: no client names (or aborts) another's work; a batch keeps
         # its body (SGLang wants a list of rids for one), so it is never aborted by rid
@@ -296,15 +300,32 @@ class Router:
         # held only for a policy that routes by the match (not for shadows' sake)
         gated = choice.indexed and choice.policy.uses_prefix_match
         slots = self._slots if gated else None
-        # before the index records this prompt there: the gate compares it with the chains
-        # the worker holds now (a slot-bound worker's, else nothing is held)
+        prefill = self._prefill if gated and worker.kind == SGLANG else None
+        # before the index records this prompt there: the gates compare it with the chains
+        # the worker holds now (a slot-bound worker's: the slot gate; else the prefill
+        # gate, with the match on it and the requests it has in prefill)
         ticket = slots.enter(worker.id, req.block_hashes) if slots is not None else None
+        held = None
+        if prefill is not None:
+            held = prefill.enter(worker.id, req.block_hashes, choice.predicted_blocks)
         try:
             lease = self.core.dispatch(req, choice, self.registry.clock(), call.exact)
         except BaseException:
             if slots is not None and ticket is not None:
                 slots.leave(ticket)
+            if prefill is not None and held is not None:
+                prefill.leave(held)
             raise
+        on_first_byte: Callable[[], None] = lease.first_token
+        if prefill is not None and held is not None:
+            gate, place = prefill, held
+
+            def prefilled() -> None:  # the prompt is cached there: its siblings go
+                lease.first_token()
+                gate.first_byte(place)
+
+            on_first_byte = prefilled
+
         record.index_mode = choice.index_mode
         upstream: UpstreamResponse | None = None
         extra = {
@@ -315,6 +336,8 @@ class Router:
         try:
             if slots is not None and ticket is not None and ticket.waiting is not None:
                 record.slot_wait_s = await slots.wait(ticket)  # counted in in-flight meanwhile
+            if prefill is not None and held is not None and held.waiting is not None:
+                record.slot_wait_s = await prefill.wait(held)  # as the slot gate's
             sent_at = time.perf_counter()  # TTFT counts from dispatch, not from the head
             upstream = await self._send(call, worker, rid)
             response, outcome = await relay.relay(
@@ -324,7 +347,7 @@ class Router:
                 final=final,
                 extra_headers=extra,
                 started=sent_at,
-                on_first_byte=lease.first_token,
+                on_first_byte=on_first_byte,
             )
         except relay.AttemptFailed as exc:
             self._attempt_failed(worker, rid, exc, upstream)
@@ -336,6 +359,8 @@ class Router:
             lease.release()
             if slots is not None and ticket is not None:
                 slots.leave(ticket)
+            if prefill is not None and held is not None:
+                prefill.leave(held)
             if upstream is not None:
                 upstream.release()
         self._completed(call, choice, lease, outcome, record, worker)

@@ -28,7 +28,8 @@ another slot's prompt). A fast engine with long generations (a GPU) thus holds a
 for milliseconds, not seconds; before calibration ``max_wait_s`` alone applies.
 
 Workers bounded by blocks (SGLang's radix cache shares a prefix between running
-requests) are never held: ``held_sequences`` is None for them.
+requests) are never held here: ``held_sequences`` is None for them; the prefill gate
+(``gateway.routing.prefill_gate``) holds their requests while a sibling's prefill runs.
 
 Not thread-safe; one event loop.
 """
@@ -81,7 +82,8 @@ class GateStats:
 _FREE = Ticket("", ())  # for requests the gate does not track
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading blocks two chains share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -125,9 +127,10 @@ class SlotGate:
         ticket = Ticket(worker_id, tuple(chain))
         ahead = (*state.running, *state.waiting)  # their chains are in no idle slot
         busy_leaves = {t.chain[-1] for t in ahead}
-        busy = max((_common(t.chain, ticket.chain) for t in ahead), default=0)
+        busy = max((common_prefix(t.chain, ticket.chain) for t in ahead), default=0)
         idle = max(
-            (_common(c, ticket.chain) for c in held if c and c[-1] not in busy_leaves), default=0
+            (common_prefix(c, ticket.chain) for c in held if c and c[-1] not in busy_leaves),
+            default=0,
         )
         gain, least = busy - idle, max(1, math.ceil(self._min_share * len(ticket.chain)))
         if gain >= least:
@@ -209,7 +212,7 @@ class SlotGate:
         merely opens with the same words frees no slot worth waiting for."""
         best, shared = None, 0
         for t in state.waiting:
-            common = _common(t.chain, chain)
+            common = common_prefix(t.chain, chain)
             if common > shared and common >= t.need:
                 best, shared = t, common
         if best is None:

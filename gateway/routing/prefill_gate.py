@@ -1,0 +1,237 @@
+"""Holds a request for an SGLang worker until a sibling's prefill has cached their prefix.
+
+Why: SGLang's radix cache shares a prefix between requests only once it holds it, and it
+inserts a prompt there when that prompt's prefill has run. Its default scheduler
+(``fcfs``) does not de-duplicate prefixes within one prefill batch (only ``lpm`` does:
+docs SGLANG_API.md §5.3), so requests sharing a prompt that reach a worker within one
+scheduler step are prefilled together, each computing the whole prefix. GRPO rollouts
+send n = 8 requests sharing one prompt at once: routed whole to one worker by
+``min_ttft``, the workers still reported 13,656 cached of 82,880 prompt tokens
+(BENCHMARKS.md, "After issue 22's ``min_ttft`` changes", "Live check").
+
+Rule, per request routed to a radix-cache worker (the prefix index does not bound it by
+sequences: ``held_sequences`` is None; the router offers only SGLang workers): let
+``busy`` be the longest prefix (in blocks) it shares with a request *in prefill* there
+(dispatched by this gate, no first byte yet) and ``held`` the blocks of it the worker
+holds idle. When ``busy - held`` is at least ``min_share`` of the request's blocks and at
+least one block, the request waits until that sibling's first byte (SGLang has then
+cached its prompt), and goes then, as a hit. Requests sharing nothing with a request in
+prefill are never held.
+
+``held``: the index records a prompt at dispatch, so its match on the chosen worker
+(``held_blocks``, taken before this request is recorded) counts the blocks of requests
+still in prefill as held. When that match does not reach beyond ``busy``, ``held`` is
+instead what the sharing requests found held at their own dispatch (each pass keeps it,
+raised at every first byte of a request sharing its prefix), capped by the match.
+
+Order and bounds:
+- At a first byte, the waiters are re-examined oldest first: a waiter goes when what it
+  shares with the requests now in prefill (the ones just released included) is no longer
+  ``min_share`` beyond what the worker holds, so at most one request per prefix leads at a
+  time: identical siblings all go at their first's first byte; two waiters sharing more
+  with each other than with the finished one go one after the other.
+- A request in prefill that ends without a first byte (failed, client gone) releases its
+  waiters the same way (the oldest then leads, its prompt was not cached).
+- A waiter never waits beyond ``max_wait_s`` and, once the worker's prefill cost is
+  calibrated (``seconds_per_block``, from the gateway's cost model), beyond about the
+  estimated time to prefill the ``busy - held`` blocks the wait saves: sent at once it
+  would have been prefilled with its sibling, its time to first token about that
+  sibling's; held longer than the prefill it saves, it would start later than that.
+  After the bound it goes ahead (it then computes the prefix, as without the gate).
+- A waiter whose client disconnects is removed at once (``leave``; the router's
+  ``finally``).
+
+Not thread-safe; one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.routing.slot_gate import GateStats, HeldChains, common_prefix
+
+# the hold's bound, in estimated seconds of prefill of the blocks it saves
+_BOUND_PREFILLS = 1.0
+
+_WAITING = 0
+_PREFILL = 1
+_DONE = 2
+
+
+@dataclass(eq=False, slots=True)
+class Pass:
+    """One request's place at a worker: waiting, in prefill, or done (first byte, or
+    ended)."""
+
+    worker_id: str
+    chain: tuple[int, ...]
+    held: int  # blocks of ``chain`` the worker holds idle (raised at siblings' first bytes)
+    phase: int = _PREFILL
+    waiting: asyncio.Future[None] | None = None  # set while held
+    max_wait_s: float = 0.0  # this request's bound
+    waited_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Worker:
+    prefill: list[Pass] = field(default_factory=list)
+    waiting: deque[Pass] = field(default_factory=deque)
+
+
+_FREE = Pass("", (), 0, _DONE)  # for requests the gate does not track
+
+
+def _uncalibrated(worker_id: str) -> float | None:
+    return None
+
+
+class PrefillGate:
+    def __init__(
+        self,
+        index: HeldChains,
+        max_wait_s: float,
+        min_share: float = 0.1,
+        seconds_per_block: Callable[[str], float | None] = _uncalibrated,
+    ) -> None:
+        if max_wait_s < 0 or not 0 <= min_share <= 1:
+            raise ValueError("max_wait_s must be >= 0 and min_share in [0, 1]")
+        self._index = index
+        self._max_wait_s = max_wait_s
+        self._min_share = min_share
+        self._seconds_per_block = seconds_per_block
+        self._workers: dict[str, _Worker] = {}
+        self.stats = GateStats()  # handed: released at a sibling's first byte or end
+
+    def enter(self, worker_id: str, chain: Sequence[int], held_blocks: int) -> Pass:
+        """Take a place at ``worker_id`` for a prompt of blocks ``chain``, of which the
+        index matched ``held_blocks`` there; call before the prompt is recorded in the
+        index, then ``await wait(p)``, call ``first_byte(p)`` at the worker's first byte
+        and ``leave(p)`` when the request ends, whatever the path."""
+        if self._max_wait_s <= 0 or not chain:
+            return _FREE
+        if self._index.held_sequences(worker_id) is not None:
+            return _FREE  # slot-bound: the slot gate's
+        state = self._workers.get(worker_id)
+        if state is None:
+            state = self._workers[worker_id] = _Worker()
+        p = Pass(worker_id, tuple(chain), held_blocks)
+        sharers = [(c, t) for t in state.prefill if (c := common_prefix(t.chain, p.chain))]
+        if sharers:
+            busy = max(c for c, _ in sharers)
+            if held_blocks <= busy:  # the match may count blocks only they brought
+                p.held = min(held_blocks, max(min(c, t.held) for c, t in sharers))
+            gain = busy - p.held
+            if gain >= self._least(p):
+                p.max_wait_s = self._bound(worker_id, gain)
+        if p.max_wait_s > 0:
+            p.phase = _WAITING
+            p.waiting = asyncio.get_running_loop().create_future()
+            state.waiting.append(p)
+            self.stats.held += 1
+        else:
+            state.prefill.append(p)
+        return p
+
+    async def wait(self, p: Pass) -> float:
+        """Until a sibling's first byte lets ``p`` go, or its bound passes; the seconds
+        held."""
+        future = p.waiting
+        if future is None:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            async with asyncio.timeout(p.max_wait_s):  # a cancel is never swallowed
+                await asyncio.shield(future)
+        except TimeoutError:
+            state = self._workers.get(p.worker_id)
+            if p.phase == _WAITING and state is not None:
+                state.waiting.remove(p)
+                self._go(state, p)
+                self.stats.timed_out += 1
+        finally:
+            p.waiting = None
+            p.waited_s = loop.time() - start
+            self.stats.waited_s += p.waited_s
+        return p.waited_s
+
+    def first_byte(self, p: Pass) -> None:
+        """The worker's first byte for ``p``: its prompt is in the radix cache now."""
+        if p.phase != _PREFILL:
+            return
+        state = self._workers.get(p.worker_id)
+        p.phase = _DONE
+        if state is None:
+            return
+        state.prefill.remove(p)
+        for t in (*state.prefill, *state.waiting):
+            t.held = max(t.held, common_prefix(t.chain, p.chain))
+        self._release(state)
+        self._drop_if_idle(p.worker_id, state)
+
+    def leave(self, p: Pass) -> None:
+        """The request is over (or never ran): free its place, release its waiters."""
+        if p.phase == _DONE:
+            return
+        phase, p.phase = p.phase, _DONE
+        state = self._workers.get(p.worker_id)
+        if state is None:
+            return
+        if phase == _WAITING:
+            if p in state.waiting:
+                state.waiting.remove(p)
+        elif p in state.prefill:  # ended before its first byte: nothing was cached
+            state.prefill.remove(p)
+            self._release(state)
+        self._drop_if_idle(p.worker_id, state)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """The worker is gone: its waiters go ahead (their attempt will fail over)."""
+        state = self._workers.pop(worker_id, None)
+        if state is None:
+            return
+        for t in (*state.prefill, *state.waiting):
+            t.phase = _DONE
+            if t.waiting is not None and not t.waiting.done():
+                t.waiting.set_result(None)
+
+    def waiting(self, worker_id: str) -> int:
+        state = self._workers.get(worker_id)
+        return 0 if state is None else len(state.waiting)
+
+    def in_prefill(self, worker_id: str) -> int:
+        state = self._workers.get(worker_id)
+        return 0 if state is None else len(state.prefill)
+
+    def _least(self, p: Pass) -> int:
+        return max(1, math.ceil(self._min_share * len(p.chain)))
+
+    def _bound(self, worker_id: str, gain_blocks: int) -> float:
+        per_block = self._seconds_per_block(worker_id)
+        if per_block is None:
+            return self._max_wait_s
+        return min(self._max_wait_s, _BOUND_PREFILLS * per_block * gain_blocks)
+
+    def _release(self, state: _Worker) -> None:
+        """Waiters, oldest first, that no request in prefill holds back any longer go."""
+        for w in list(state.waiting):
+            busy = max((common_prefix(t.chain, w.chain) for t in state.prefill), default=0)
+            if busy - w.held >= self._least(w):
+                continue  # another request leads its prefix: it waits for that one
+            state.waiting.remove(w)
+            self._go(state, w)
+            self.stats.handed += 1
+            if w.waiting is not None and not w.waiting.done():
+                w.waiting.set_result(None)
+
+    def _go(self, state: _Worker, p: Pass) -> None:
+        p.phase = _PREFILL
+        state.prefill.append(p)
+
+    def _drop_if_idle(self, worker_id: str, state: _Worker) -> None:
+        if not state.prefill and not state.waiting and self._workers.get(worker_id) is state:
+            del self._workers[worker_id]
