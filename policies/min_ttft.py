@@ -139,7 +139,9 @@ p99 0.8-2.2 s above Dynamo's at .035 more hit.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -206,6 +208,16 @@ def _most_room(pool: list[WorkerView]) -> list[WorkerView]:
 
 
 _FORGET_AFTER = 64  # share windows without being offered: a worker's share is forgotten
+_ID = operator.attrgetter("id")
+_MATCHED = operator.attrgetter("matched_tokens")
+_IN_FLIGHT = operator.attrgetter("in_flight")
+
+
+def _reason(chosen: WorkerView, longest: int) -> str:
+    """The decision's reason; ``longest``: the longest match on any candidate."""
+    if longest <= 0:
+        return REASON_MISS
+    return REASON_PREFIX_HIT if chosen.matched_tokens >= longest else REASON_LOAD
 
 
 class MinTtftPolicy(Policy):
@@ -287,18 +299,27 @@ class MinTtftPolicy(Policy):
         fixed = DEFAULT_FIXED_S if cost.prefill_fixed_s is None else cost.prefill_fixed_s
         pair = DEFAULT_PAIR_S if cost.prefill_pair_s is None else cost.prefill_pair_s
         step = DEFAULT_DECODE_STEP_S if cost.decode_step_s is None else cost.decode_step_s
+        # ``b if b > a else a`` is ``max(a, b)`` (and ``b if b < a else a`` ``min(a, b)``),
+        # written out: a builtin call per figure per candidate was a third of this
         engine = worker.engine_load
         queued_tokens = worker.queued_prefill_tokens
-        waiting = max(0, worker.in_flight - worker.decoding_requests)
+        waiting = worker.in_flight - worker.decoding_requests
+        waiting = waiting if waiting > 0 else 0
         decoding = worker.decoding_requests
         if engine is not None:
-            queued_tokens = max(queued_tokens, engine.waiting_uncached_tokens or 0)
-            waiting = max(waiting, engine.waiting_requests)
-            decoding = max(decoding, engine.running_requests)
-        queue_s = waiting * fixed + max(0, queued_tokens) * per_token
+            reported = engine.waiting_uncached_tokens or 0
+            queued_tokens = reported if reported > queued_tokens else queued_tokens
+            reported = engine.waiting_requests
+            waiting = reported if reported > waiting else waiting
+            reported = engine.running_requests
+            decoding = reported if reported > decoding else decoding
+        queue_s = waiting * fixed + (queued_tokens if queued_tokens > 0 else 0) * per_token
         decode_s = step + decoding * self._decode_request_s if decoding > 0 else 0.0
-        matched = max(0, min(worker.matched_tokens, prompt_tokens))
-        uncached = max(1, prompt_tokens - matched)  # the engine always computes >= 1 token
+        matched = worker.matched_tokens
+        matched = prompt_tokens if prompt_tokens < matched else matched
+        matched = matched if matched > 0 else 0
+        uncached = prompt_tokens - matched
+        uncached = uncached if uncached > 1 else 1  # the engine always computes >= 1 token
         prefill_s = fixed + per_token * uncached + pair * uncached * (matched + uncached / 2)
         host = min(worker.matched_host_tokens, matched)
         if host > 0:  # loaded back from the host tier, overlapped with the compute
@@ -306,23 +327,32 @@ class MinTtftPolicy(Policy):
         return queue_s + decode_s + worker.setup_s + prefill_s, prefill_s
 
     def select(self, ctx: RouteContext) -> Decision:
+        # Per-candidate passes are ``map`` over attribute getters where they can be (C
+        # loops, BENCHMARKS.md "Scale": 256 candidates per decision); same values in the
+        # same order as the generator expressions they replace, so the same decisions.
         candidates = ctx.candidates
         estimates: dict[str, float] = {}
         scores: dict[str, float] = {}
+        prompt_tokens, work_weight = ctx.prompt_tokens, self._work_weight
         for w in candidates:
-            estimate, own = self.estimate(w, ctx.prompt_tokens)
+            estimate, own = self.estimate(w, prompt_tokens)
             estimates[w.id] = estimate
-            scores[w.id] = estimate + self._work_weight * own
+            scores[w.id] = estimate + work_weight * own
         if len(candidates) == 1:
             return Decision(candidates[0].id, REASON_ONLY_CANDIDATE, estimates)
-        eligible = self._within_load_cap(candidates, ctx.prompt_tokens)
-        sticky = self._exploit(eligible, estimates, ctx)
+        private = self._private_holder(candidates, prompt_tokens)
+        longest_anywhere = max(map(_MATCHED, candidates))
+        eligible = self._within_load_cap(candidates, prompt_tokens, private)
+        # eligible is a subsequence of candidates: all of them, the same private holder
+        if len(eligible) != len(candidates):
+            private = self._private_holder(eligible, prompt_tokens)
+        sticky = self._exploit(private, eligible, estimates)
         if sticky is not None:
             self._remember(sticky.id, candidates)
-            return Decision(sticky.id, self._reason(sticky, candidates), estimates)
-        if max(w.matched_tokens for w in eligible) <= 0:
+            return Decision(sticky.id, _reason(sticky, longest_anywhere), estimates)
+        if max(map(_MATCHED, eligible)) <= 0:
             eligible = _most_room(eligible)  # nobody holds it: a free slot beats a queue
-        best = min(scores[w.id] for w in eligible)
+        best = min(map(scores.__getitem__, map(_ID, eligible)))
         band = best + self._tolerance_s + self._tolerance_rel * best
         near = [w for w in eligible if scores[w.id] <= band]
         longest = max(w.matched_tokens for w in near)
@@ -339,19 +369,21 @@ class MinTtftPolicy(Policy):
         tied = [w for w in pool if scores[w.id] == low]
         chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
         self._remember(chosen.id, candidates)
-        return Decision(chosen.id, self._reason(chosen, candidates), estimates)
+        return Decision(chosen.id, _reason(chosen, longest_anywhere), estimates)
 
     def _exploit(
-        self, eligible: Sequence[WorkerView], estimates: dict[str, float], ctx: RouteContext
+        self,
+        holder: WorkerView | None,
+        eligible: Sequence[WorkerView],
+        estimates: dict[str, float],
     ) -> WorkerView | None:
-        """The worker holding a private prefix of the prompt (:meth:`_private_holder`), if
-        its estimate is within ``affinity_factor`` x the best + ``affinity_s`` and
-        ``affinity_max_s`` of it."""
-        holder = self._private_holder(eligible, ctx.prompt_tokens)
+        """``holder``, the worker of ``eligible`` holding a private prefix of the prompt
+        (:meth:`_private_holder`), if its estimate is within ``affinity_factor`` x the
+        best + ``affinity_s`` and ``affinity_max_s`` of it."""
         if holder is None:
             return None
         low = estimates[holder.id]
-        best = min(estimates[w.id] for w in eligible)
+        best = min(map(estimates.__getitem__, map(_ID, eligible)))
         if low > self._affinity_factor * best + self._affinity_s:
             return None
         if low - best > self._affinity_max_s:
@@ -377,15 +409,18 @@ class MinTtftPolicy(Policy):
         return holder
 
     def _within_load_cap(
-        self, candidates: Sequence[WorkerView], prompt_tokens: int
+        self,
+        candidates: Sequence[WorkerView],
+        prompt_tokens: int,
+        private: WorkerView | None,
     ) -> list[WorkerView]:
-        """The candidates the bounded-load step keeps (all of them if it would keep none)."""
+        """The candidates the bounded-load step keeps (all of them if it would keep none);
+        ``private``: :meth:`_private_holder` of ``candidates``."""
         n = len(candidates)
-        total = sum(w.in_flight for w in candidates) + 1
+        total = sum(map(_IN_FLIGHT, candidates)) + 1
         cap = max(math.ceil(self._load_factor * total / n), self._load_cap_floor)
         fair = 1.0 / n
         hot = fair + self._hot_margin
-        private = self._private_holder(candidates, prompt_tokens)
         siblings = self._sibling_tokens
         eligible = []
         for w in candidates:
@@ -419,12 +454,13 @@ class MinTtftPolicy(Policy):
         # prefix all to one worker.
         self._decisions += 1
         alpha = max(1.0 / self._share_window, 1.0 / (self._decisions + len(candidates) - 1))
-        shares, fair = self._shares, 1.0 / len(candidates)
+        shares, fair, keep = self._shares, 1.0 / len(candidates), 1.0 - alpha
+        ids = list(map(_ID, candidates))
+        for wid, share in zip(ids, map(shares.get, ids, itertools.repeat(fair)), strict=True):
+            shares[wid] = share * keep
+        shares[chosen] += alpha  # the chosen is a candidate: (share * keep) + alpha, as before
         touched = self._touched
-        for w in candidates:
-            share = shares.get(w.id, fair) * (1.0 - alpha)
-            shares[w.id] = share + alpha if w.id == chosen else share
-            touched[w.id] = self._decisions
+        touched.update(dict.fromkeys(ids, self._decisions))
         # Only the candidates' shares move, so each model's workers (a request is offered
         # only those of its model) keep shares of their own model's decisions. Memory is
         # bounded by forgetting workers no decision offered for a long while (gone for
@@ -433,13 +469,6 @@ class MinTtftPolicy(Policy):
             stale = self._decisions - _FORGET_AFTER * self._share_window
             for wid in [k for k, seen in touched.items() if seen < stale]:
                 del shares[wid], touched[wid]
-
-    @staticmethod
-    def _reason(chosen: WorkerView, candidates: Sequence[WorkerView]) -> str:
-        longest = max(w.matched_tokens for w in candidates)
-        if longest <= 0:
-            return REASON_MISS
-        return REASON_PREFIX_HIT if chosen.matched_tokens >= longest else REASON_LOAD
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -39,7 +39,9 @@ Contract:
   about transport outcomes the replay does not model.
 
 Cost: one index match (O(w log n)) and one policy call per decision; nothing allocated
-per candidate beyond its view.
+per candidate beyond its view, and nothing per candidate outlives the decision: the
+views are dropped at dispatch (``Choice.views``), once the decision record (made
+between ``choose`` and ``dispatch``, live and in the benches) has copied what it keeps.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from gateway.routing.lease import Lease
 from gateway.routing.policy_set import PolicySet, ShadowPick
 from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.tokens import TokenAccounting
-from gateway.workers.registry import Worker
+from gateway.workers.registry import Worker, views_of
 from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,10 @@ class Choice:
 
     worker: Worker
     decision: Decision
+    # the candidates as the policy saw them; emptied by ``RoutingCore.dispatch``: the
+    # decision record (made before, ``DecisionRecord.from_decision``) copies what it
+    # keeps, and views held by every in-flight request until its end were the cyclic
+    # garbage collector's main load at 256 workers (BENCHMARKS.md, "Scale")
     views: list[WorkerView]
     predicted_blocks: int  # the approximate index's matched blocks on ``worker``
     matched_tokens: int  # this request's prefix believed cached on ``worker``
@@ -225,18 +231,7 @@ class RoutingCore:
         if indexed:
             matches = self.index.match(req.block_hashes)
         exact_tokens = exact.match([w.id for w in workers]) if exact is not None else {}
-        views = [
-            w.view(
-                now,
-                exact_tokens[w.id]
-                if w.id in exact_tokens
-                else req.matched_tokens(matches.get(w.id, 0)),
-                self.costs.cost(w.id),
-                self.index.free_sequences(w.id),
-                setup.get(w.id, 0.0),
-            )
-            for w in workers
-        ]
+        views = self._views(req, workers, now, matches, exact_tokens, setup)
         host_blocks: dict[str, int] = {}
         if exact_tokens or (matches and self.tiers is not None):
             views = self._tiers(req, views, matches, exact, exact_tokens, host_blocks)
@@ -246,13 +241,13 @@ class RoutingCore:
             views = list(self.gate.admit(views, now, self.rng))
         decision = self._select(req, views, policy, self.rng)
         worker = next((w for w in workers if w.id == decision.worker_id), workers[0])
-        matched = next((v.matched_tokens for v in views if v.id == worker.id), 0)
+        view = next((v for v in views if v.id == worker.id), None)
+        matched = 0 if view is None else view.matched_tokens
         choice = Choice(
             worker, decision, views, matches.get(worker.id, 0), matched, indexed, policy, arm
         )
-        if exact_tokens or host_blocks:
-            view = next((v for v in views if v.id == worker.id), None)
-            choice.matched_host_tokens = 0 if view is None else view.matched_host_tokens
+        if (exact_tokens or host_blocks) and view is not None:
+            choice.matched_host_tokens = view.matched_host_tokens
         if indexed and self.tiers is not None and worker.id not in exact_tokens:
             choice.predicted_host_blocks = host_blocks.get(worker.id, 0)
         if indexed or exact is not None:
@@ -260,6 +255,31 @@ class RoutingCore:
         if policies.shadows and req.kind is not ApiKind.EMBEDDINGS:
             self._shadows(req, choice, policies)
         return choice
+
+    def _views(
+        self,
+        req: RouteRequest,
+        workers: Sequence[Worker],
+        now: float,
+        matches: Mapping[str, int],
+        exact_tokens: Mapping[str, int],
+        setup: Mapping[str, float],
+    ) -> list[WorkerView]:
+        """One view per worker, in order, with its matched tokens: exact mode's where it
+        has them, else the approximate index's blocks in tokens. The hot loop of a large
+        fleet: per candidate only dict lookups and the view; the tokens of a block count
+        are computed once per distinct count (most holders match the same shared prefix)."""
+        tokens: dict[str, int] = {}
+        if matches:
+            per_count: dict[int, int] = {}
+            for wid, blocks in matches.items():
+                t = per_count.get(blocks)
+                if t is None:
+                    t = per_count[blocks] = req.matched_tokens(blocks)
+                tokens[wid] = t
+        if exact_tokens:
+            tokens.update(exact_tokens)  # exact mode's wins where it has a figure
+        return views_of(workers, now, tokens, self.costs.cost, self.index.free_sequences, setup)
 
     def _tiers(
         self,
@@ -339,8 +359,10 @@ class RoutingCore:
         now: float,
         exact: ExactRequest | None = None,
     ) -> Lease:
-        """Record the prompt under the chosen worker and lease it the request."""
+        """Record the prompt under the chosen worker and lease it the request. The
+        choice's views are dropped here (``Choice.views``)."""
         worker = choice.worker
+        choice.views = []
         if choice.indexed:
             self.index.record(req.block_hashes, worker.id, now)  # at dispatch: co-locate
             if self.chains is not None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, overload
 
 from gateway.routing.policy_set import ShadowPick
 from policies.base import Decision, WorkerView
@@ -36,8 +37,8 @@ DEFAULT_CAPACITY = 1024
 class CandidateScore(NamedTuple):
     """One candidate as the policy saw it: matched prefix tokens and its score (if any).
 
-    A named tuple: one is built per candidate per request, and a tuple is the cheapest
-    immutable record Python has (a frozen dataclass costs ~3x more to construct)."""
+    A record made by :meth:`DecisionRecord.from_decision` keeps its candidates as
+    :class:`CandidateColumns` and builds these when read."""
 
     worker: str
     matched_tokens: int
@@ -52,6 +53,76 @@ class CandidateScore(NamedTuple):
         if self.matched_host_tokens:
             out["matched_host_tokens"] = self.matched_host_tokens
         return out
+
+
+_ID = operator.attrgetter("id")
+_MATCHED = operator.attrgetter("matched_tokens")
+_HOST = operator.attrgetter("matched_host_tokens")
+
+
+class CandidateColumns(Sequence[CandidateScore]):
+    """The candidates of one decision as columns: a tuple of worker ids, one of matched
+    tokens, one of scores (None: the policy gave none), one of host-tier tokens (None:
+    all 0). A sequence of :class:`CandidateScore`, built when read.
+
+    Why columns: the ring keeps 1,024 records, each with every candidate (256 at a large
+    fleet). A :class:`CandidateScore` per candidate made a quarter of a million objects
+    the cyclic garbage collector walked on every full collection (a named tuple is never
+    untracked); four tuples of numbers and strings per record are untracked by the
+    collector once it has seen them, and cost less to build (BENCHMARKS.md, "Scale")."""
+
+    __slots__ = ("host", "matched", "scores", "workers")
+
+    def __init__(
+        self,
+        workers: tuple[str, ...],
+        matched: tuple[int, ...],
+        scores: tuple[float | None, ...],
+        host: tuple[int, ...] | None = None,
+    ) -> None:
+        if not len(workers) == len(matched) == len(scores) == len(host or workers):
+            raise ValueError("candidate columns must have one entry per candidate")
+        self.workers = workers
+        self.matched = matched
+        self.scores = scores
+        self.host = host
+
+    @classmethod
+    def of(cls, views: Sequence[WorkerView], scores: Mapping[str, float]) -> CandidateColumns:
+        """The columns of ``views`` with their ``scores`` (C-level passes only)."""
+        workers = tuple(map(_ID, views))
+        host: tuple[int, ...] | None = tuple(map(_HOST, views))
+        if not any(host or ()):
+            host = None
+        return cls(workers, tuple(map(_MATCHED, views)), tuple(map(scores.get, workers)), host)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    @overload
+    def __getitem__(self, i: int) -> CandidateScore: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[CandidateScore, ...]: ...
+    def __getitem__(self, i: int | slice) -> CandidateScore | tuple[CandidateScore, ...]:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        host = 0 if self.host is None else self.host[i]
+        return CandidateScore(self.workers[i], self.matched[i], self.scores[i], host)
+
+    def __iter__(self) -> Iterator[CandidateScore]:
+        host = self.host or (0,) * len(self.workers)
+        for args in zip(self.workers, self.matched, self.scores, host, strict=True):
+            yield CandidateScore(*args)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CandidateColumns | tuple | list):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"CandidateColumns({tuple(self)!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +165,8 @@ class DecisionRecord:
     policy: str
     worker: str
     reason: str
-    candidates: tuple[CandidateScore, ...]
+    # as the policy saw them: ``CandidateColumns`` when made by ``from_decision``
+    candidates: Sequence[CandidateScore]
     prompt_tokens: int = 0  # estimated
     matched_tokens: int = 0  # the chosen worker's predicted cached prefix
     model: str | None = None
@@ -126,14 +198,16 @@ class DecisionRecord:
         model: str | None = None,
         now: float | None = None,
     ) -> DecisionRecord:
-        """Build a record from a policy's decision and the candidates it was given."""
-        scores: Mapping[str, float] = decision.scores
-        cands = tuple(
-            CandidateScore(c.id, c.matched_tokens, scores.get(c.id), c.matched_host_tokens)
-            for c in candidates
-        )
-        chosen = next((c for c in candidates if c.id == decision.worker_id), None)
-        matched = 0 if chosen is None else chosen.matched_tokens
+        """Build a record from a policy's decision and the candidates it was given
+        (copied: the record keeps no view)."""
+        cands = CandidateColumns.of(candidates, decision.scores)
+        try:
+            i = cands.workers.index(decision.worker_id)
+        except ValueError:  # not among them (a policy's bug): nothing matched there
+            matched = host = 0
+        else:
+            matched = cands.matched[i]
+            host = 0 if cands.host is None else cands.host[i]
         return cls(
             time=time.time() if now is None else now,
             request_id=request_id,
@@ -144,7 +218,7 @@ class DecisionRecord:
             prompt_tokens=prompt_tokens,
             matched_tokens=matched,
             model=model,
-            matched_host_tokens=0 if chosen is None else chosen.matched_host_tokens,
+            matched_host_tokens=host,
         )
 
     @property

@@ -45,6 +45,8 @@ from policies.base import EngineLoad, WorkerCost, WorkerView
 
 log = logging.getLogger(__name__)
 
+_DEFAULT_COST = WorkerCost()  # immutable: shared by every view without a cost
+
 
 REGULAR = "regular"  # worker roles, sglang-router's worker_type names
 PREFILL = "prefill"
@@ -247,27 +249,30 @@ class Worker:
         free_sequences: int | None = None,
         setup_s: float = 0.0,
     ) -> WorkerView:
-        """The policy's picture of this worker at ``now``."""
+        """The policy's picture of this worker at ``now``. Built per candidate per
+        decision: positional arguments (keywords cost more), in field order."""
         load = self.engine_load
         if load is not None:
+            age = now - self.load_read_at
             load = EngineLoad(
-                running_requests=load.running_requests,
-                waiting_requests=load.waiting_requests,
-                waiting_uncached_tokens=load.waiting_uncached_tokens,
-                token_usage=load.token_usage,
-                age_s=max(0.0, now - self.load_read_at),
+                load.running_requests,
+                load.waiting_requests,
+                load.waiting_uncached_tokens,
+                load.token_usage,
+                age if age > 0.0 else 0.0,  # age_s (no builtin max: per candidate)
             )
         return WorkerView(
-            id=self.id,
-            in_flight=self.in_flight + self.peer_in_flight,
-            queued_prefill_tokens=self.queued_prefill_tokens + self.peer_queued_prefill_tokens,
-            decoding_requests=self.decoding_requests + self.peer_decoding_requests,
-            capacity_tokens=self.metadata.capacity_tokens,
-            engine_load=load,
-            matched_tokens=matched_tokens,
-            cost=cost if cost is not None else WorkerCost(),
-            free_sequences=free_sequences,
-            setup_s=setup_s,
+            self.id,
+            self.in_flight + self.peer_in_flight,
+            self.queued_prefill_tokens + self.peer_queued_prefill_tokens,
+            self.decoding_requests + self.peer_decoding_requests,
+            self.metadata.capacity_tokens,
+            load,
+            matched_tokens,
+            0,  # matched_host_tokens: set by the routing core when it knows tiers
+            _DEFAULT_COST if cost is None else cost,
+            free_sequences,
+            setup_s,
         )
 
     def describe(self, now: float) -> dict[str, Any]:
@@ -325,6 +330,51 @@ def _of_server(name: str) -> Any:
         setattr(self.parent, name, value)
 
     return property(get, put)
+
+
+def views_of(
+    workers: Sequence[Worker],
+    now: float,
+    matched_tokens: Mapping[str, int],
+    cost: Callable[[str], WorkerCost],
+    free_sequences: Callable[[str], int | None],
+    setup_s: Mapping[str, float],
+) -> list[WorkerView]:
+    """The views of ``workers`` at ``now``: each the :meth:`Worker.view` with its
+    ``matched_tokens`` (0 when absent), ``cost``, ``free_sequences`` and ``setup_s`` (0
+    when absent). Built inline, for the routing core: this loop runs for every candidate
+    of every decision, and a method call per worker cost as much as its view
+    (BENCHMARKS.md, "Scale"). Keep it in step with :meth:`Worker.view`."""
+    out: list[WorkerView] = []
+    append, tokens, setup = out.append, matched_tokens.get, setup_s.get
+    for w in workers:
+        wid = w.id
+        load = w.engine_load
+        if load is not None:
+            age = now - w.load_read_at
+            load = EngineLoad(
+                load.running_requests,
+                load.waiting_requests,
+                load.waiting_uncached_tokens,
+                load.token_usage,
+                age if age > 0.0 else 0.0,
+            )
+        append(
+            WorkerView(
+                wid,
+                w.in_flight + w.peer_in_flight,
+                w.queued_prefill_tokens + w.peer_queued_prefill_tokens,
+                w.decoding_requests + w.peer_decoding_requests,
+                w.metadata.capacity_tokens,
+                load,
+                tokens(wid, 0),
+                0,
+                cost(wid),
+                free_sequences(wid),
+                setup(wid, 0.0),
+            )
+        )
+    return out
 
 
 class RankWorker(Worker):

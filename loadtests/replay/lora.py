@@ -319,11 +319,11 @@ class LoraSimulation(Simulation):
         answer), with the adapter's namespace and the worker's implicit reload."""
         route, adapter = prepared.route, req.adapter
         k = self.gw.index(choice.worker)
+        available = None  # the longest predicted match, when an index was consulted
+        if choice.indexed or exact is not None:  # read before dispatch drops the views
+            available = max((v.matched_tokens for v in choice.views), default=0)
         lease = self.core.dispatch(route, choice, now, exact)
         true_matches = [sim.true_match_in(prepared.prompt_key, adapter) for sim in self.sims]
-        available = None  # the longest predicted match, when an index was consulted
-        if choice.indexed or exact is not None:
-            available = max((v.matched_tokens for v in choice.views), default=0)
         record = RequestRecord(
             index=req.index, arrival_s=req.arrival_s, worker=choice.worker.id,
             prompt_tokens=prepared.prompt_tokens, output_tokens=req.max_tokens,

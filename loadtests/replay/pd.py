@@ -251,12 +251,12 @@ class PDSimulation(Simulation):
         choice = self.core.choose(route, self.gw[: self.n_prefill], now)
         decode = self.decode_core.choose(route, self.gw[self.n_prefill :], now)
         k, d = self.gw.index(choice.worker), self.gw.index(decode.worker) - self.n_prefill
+        available = None  # read before dispatch, which drops the views
+        if choice.indexed:
+            available = max((v.matched_tokens for v in choice.views), default=0)
         lease = self.core.dispatch(route, choice, now)
         decode_lease = Lease(decode.worker, 0)  # a decode computes no prompt
         true_matches = [p.true_match(key) for p in self.prefills]
-        available = None
-        if choice.indexed:
-            available = max((v.matched_tokens for v in choice.views), default=0)
         record = RequestRecord(
             index=req.index, arrival_s=now, worker=choice.worker.id,
             prompt_tokens=prepared.prompt_tokens, output_tokens=req.max_tokens,
