@@ -301,9 +301,21 @@ def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
         return (costs.cost(worker_id).prefill_per_token_s or 0.0) * index.block_tokens(worker_id)
 
     slots = SlotGate(index, config.prefix_index.slot_wait_s, seconds_per_block=seconds_per_block)
-    prefill = PrefillGate(
-        index, config.prefix_index.prefill_wait_s, seconds_per_block=seconds_per_block
-    )
+
+    def prefill_s(worker_id: str, blocks: int) -> float | None:
+        """The cost model's time to prefill ``blocks`` more blocks there, behind its queue."""
+        if not costs.calibrated(worker_id):
+            return None
+        cost, worker = costs.cost(worker_id), registry.get(worker_id)
+        tokens = blocks * index.block_tokens(worker_id)
+        queued = 0 if worker is None else worker.queued_prefill_tokens
+        return (
+            (cost.prefill_fixed_s or 0.0)
+            + (cost.prefill_per_token_s or 0.0) * (tokens + queued)
+            + (cost.prefill_pair_s or 0.0) * tokens * tokens / 2
+        )
+
+    prefill = PrefillGate(index, config.prefix_index.prefill_wait_s, prefill_s=prefill_s)
     tokens = TokenAccounting(
         config.request.chars_per_token,
         config.request.block_chars,

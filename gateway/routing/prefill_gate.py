@@ -33,11 +33,12 @@ Order and bounds:
 - A request in prefill that ends without a first byte (failed, client gone) releases its
   waiters the same way (the oldest then leads, its prompt was not cached).
 - A waiter never waits beyond ``max_wait_s`` and, once the worker's prefill cost is
-  calibrated (``seconds_per_block``, from the gateway's cost model), beyond about the
-  estimated time to prefill the ``busy - held`` blocks the wait saves: sent at once it
-  would have been prefilled with its sibling, its time to first token about that
-  sibling's; held longer than the prefill it saves, it would start later than that.
-  After the bound it goes ahead (it then computes the prefix, as without the gate).
+  calibrated (``prefill_s``: the gateway's cost model), beyond the estimated time to
+  prefill the ``busy - held`` blocks the wait saves there now, behind the prefill queued
+  on the worker (its sibling's among it): what sending it at once would cost it. Held
+  longer, it would start later than computing the prefix itself. After the bound it goes
+  ahead (it then computes the prefix, as without the gate). A sibling's first byte
+  normally comes well before: sent at once it would be prefilled in the same queue.
 - A waiter whose client disconnects is removed at once (``leave``; the router's
   ``finally``).
 
@@ -53,9 +54,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.routing.slot_gate import GateStats, HeldChains, common_prefix
-
-# the hold's bound, in estimated seconds of prefill of the blocks it saves
-_BOUND_PREFILLS = 1.0
 
 _WAITING = 0
 _PREFILL = 1
@@ -85,7 +83,7 @@ class _Worker:
 _FREE = Pass("", (), 0, _DONE)  # for requests the gate does not track
 
 
-def _uncalibrated(worker_id: str) -> float | None:
+def _uncalibrated(worker_id: str, blocks: int) -> float | None:
     return None
 
 
@@ -95,14 +93,16 @@ class PrefillGate:
         index: HeldChains,
         max_wait_s: float,
         min_share: float = 0.1,
-        seconds_per_block: Callable[[str], float | None] = _uncalibrated,
+        prefill_s: Callable[[str, int], float | None] = _uncalibrated,
     ) -> None:
+        """``prefill_s(worker, blocks)``: the estimated seconds to prefill that many more
+        blocks there now, its queue included; None before calibration."""
         if max_wait_s < 0 or not 0 <= min_share <= 1:
             raise ValueError("max_wait_s must be >= 0 and min_share in [0, 1]")
         self._index = index
         self._max_wait_s = max_wait_s
         self._min_share = min_share
-        self._seconds_per_block = seconds_per_block
+        self._prefill_s = prefill_s
         self._workers: dict[str, _Worker] = {}
         self.stats = GateStats()  # handed: released at a sibling's first byte or end
 
@@ -211,10 +211,10 @@ class PrefillGate:
         return max(1, math.ceil(self._min_share * len(p.chain)))
 
     def _bound(self, worker_id: str, gain_blocks: int) -> float:
-        per_block = self._seconds_per_block(worker_id)
-        if per_block is None:
+        estimate = self._prefill_s(worker_id, gain_blocks)
+        if estimate is None:
             return self._max_wait_s
-        return min(self._max_wait_s, _BOUND_PREFILLS * per_block * gain_blocks)
+        return min(self._max_wait_s, estimate)
 
     def _release(self, state: _Worker) -> None:
         """Waiters, oldest first, that no request in prefill holds back any longer go."""

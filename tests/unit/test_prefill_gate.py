@@ -24,7 +24,10 @@ class Index:
 
 
 def gate(max_wait_s: float = 5.0, per_block: float | None = None) -> PrefillGate:
-    return PrefillGate(Index(), max_wait_s, seconds_per_block=lambda w: per_block)
+    def prefill_s(worker_id: str, blocks: int) -> float | None:
+        return None if per_block is None else per_block * blocks
+
+    return PrefillGate(Index(), max_wait_s, prefill_s=prefill_s)
 
 
 async def settle() -> None:
