@@ -47,6 +47,7 @@ between ``choose`` and ``dispatch``, live and in the benches) has copied what it
 from __future__ import annotations
 
 import logging
+import operator
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -61,6 +62,7 @@ from gateway.workers.registry import Worker, views_of
 from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
 
 log = logging.getLogger(__name__)
+_MATCHED = operator.attrgetter("matched_tokens")
 
 
 class PrefixMatcher(Protocol):
@@ -251,7 +253,7 @@ class RoutingCore:
         if indexed and self.tiers is not None and worker.id not in exact_tokens:
             choice.predicted_host_blocks = host_blocks.get(worker.id, 0)
         if indexed or exact is not None:
-            choice.available_tokens = max(v.matched_tokens for v in every)
+            choice.available_tokens = max(map(_MATCHED, every))
         if policies.shadows and req.kind is not ApiKind.EMBEDDINGS:
             self._shadows(req, choice, policies)
         return choice

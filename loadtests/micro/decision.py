@@ -34,6 +34,10 @@ a busy gateway.
 
 ``--profile POLICY`` runs cProfile over that policy's decisions at the largest fleet and
 prints the top functions by internal time.
+
+The collector's load, after the timed decisions (with their requests still in flight):
+the objects it tracks (thousands: what every full collection walks) and the CPU time of
+one full collection forced then.
 """
 
 from __future__ import annotations
@@ -285,6 +289,8 @@ class Row:
     holders: float  # mean number of workers the index matched per request
     full_gcs: int  # full collections during the timed decisions
     longest_gc_ms: float  # longest collection (any generation)
+    tracked_k: float  # objects the collector tracks after them, thousands
+    full_gc_cpu_ms: float  # CPU time of one full collection forced then
 
 
 def _pct(sorted_ns: Sequence[int], q: float) -> float:
@@ -311,6 +317,10 @@ def measure(
         stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
         stats.print_stats(18)
         print(out.getvalue())
+    tracked = len(gc.get_objects())
+    c0 = time.thread_time()
+    gc.collect()
+    full_gc_cpu_s = time.thread_time() - c0
     while decider.outstanding:
         decider.finish_oldest()
     return Row(
@@ -325,6 +335,8 @@ def measure(
         holders,
         pauses.full,
         pauses.longest_s * 1e3,
+        tracked / 1e3,
+        full_gc_cpu_s * 1e3,
     )
 
 
@@ -360,14 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "| workers | blocks in the index | policy | workers matched per request (mean) "
-        "| p50 µs | p99 µs | max µs | CPU p50 µs | CPU p99 µs | full GCs | longest GC ms |"
+        "| p50 µs | p99 µs | max µs | CPU p50 µs | CPU p99 µs | full GCs | longest GC ms "
+        "| tracked objects (k) | one full GC, CPU ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r.workers} | {r.blocks:,} | {r.policy} | {r.holders:.1f} | {r.p50_us:,.0f} "
             f"| {r.p99_us:,.0f} | {r.max_us:,.0f} | {r.cpu_p50_us:,.0f} | {r.cpu_p99_us:,.0f} "
-            f"| {r.full_gcs} | {r.longest_gc_ms:,.1f} |"
+            f"| {r.full_gcs} | {r.longest_gc_ms:,.1f} | {r.tracked_k:,.0f} "
+            f"| {r.full_gc_cpu_ms:,.1f} |"
         )
     print()
     print(

@@ -269,3 +269,18 @@ def test_min_ttft_decides_as_its_written_out_rule() -> None:
         want = reference.select(RouteContext(prompt, views, random.Random(step)))
         assert (got.worker_id, got.reason, got.scores) == (want.worker_id, want.reason, want.scores)
         assert policy._shares == reference._shares and policy._touched == reference._touched
+
+
+# --- the benchmark ---------------------------------------------------------------------
+
+
+def test_the_decision_bench_runs_and_reports_the_collectors_load(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loadtests.micro import decision
+
+    args = ["--fleets", "2", "--requests", "30", "--warmup", "5", "--capacity-tokens", "4000"]
+    assert decision.main([*args, "--system-prompts", "2", "--in-flight", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert [r.split(" | ")[2] for r in rows] == list(decision.POLICIES)
+    assert all(len(r.strip("|").split("|")) == 13 for r in rows)  # tracked, one full GC
