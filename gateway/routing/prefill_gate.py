@@ -12,24 +12,25 @@ send n = 8 requests sharing one prompt at once: routed whole to one worker by
 Rule, per request routed to a radix-cache worker (the prefix index does not bound it by
 sequences: ``held_sequences`` is None; the router offers only SGLang workers): let
 ``busy`` be the longest prefix (in blocks) it shares with a request *in prefill* there
-(dispatched by this gate, no first byte yet) and ``held`` the blocks of it the worker
-holds idle. When ``busy - held`` is at least ``min_share`` of the request's blocks and at
-least one block, the request waits until that sibling's first byte (SGLang has then
-cached its prompt), and goes then, as a hit. Requests sharing nothing with a request in
-prefill are never held.
+(dispatched by this gate, no first byte yet) or waiting there ahead of it, and ``held``
+the blocks of it the worker holds idle. When ``busy - held`` is at least ``min_share`` of
+the request's blocks and at least one block, the request waits until that sibling's
+first byte (SGLang has then cached its prompt), and goes then, as a hit. Requests
+sharing nothing with a request in prefill or waiting are never held.
 
 ``held``: the index records a prompt at dispatch, so its match on the chosen worker
 (``held_blocks``, taken before this request is recorded) counts the blocks of requests
-still in prefill as held. When that match does not reach beyond ``busy``, ``held`` is
+still in prefill or waiting as held. When that match does not reach beyond ``busy``, ``held`` is
 instead what the sharing requests found held at their own dispatch (each pass keeps it,
 raised at every first byte of a request sharing its prefix), capped by the match.
 
 Order and bounds:
 - At a first byte, the waiters are re-examined oldest first: a waiter goes when what it
-  shares with the requests now in prefill (the ones just released included) is no longer
-  ``min_share`` beyond what the worker holds, so at most one request per prefix leads at a
-  time: identical siblings all go at their first's first byte; two waiters sharing more
-  with each other than with the finished one go one after the other.
+  shares with the requests now in prefill (the ones just released included) and the
+  waiters staying ahead of it is no longer ``min_share`` beyond what the worker holds,
+  so at most one request per prefix leads at a time: identical siblings all go at their
+  first's first byte; two waiters sharing more with each other than with the finished
+  one go one after the other.
 - A request in prefill that ends without a first byte (failed, client gone) releases its
   waiters the same way (the oldest then leads, its prompt was not cached).
 - A waiter never waits beyond ``max_wait_s`` and, once the worker's prefill cost is
@@ -119,7 +120,8 @@ class PrefillGate:
         if state is None:
             state = self._workers[worker_id] = _Worker()
         p = Pass(worker_id, tuple(chain), held_blocks)
-        sharers = [(c, t) for t in state.prefill if (c := common_prefix(t.chain, p.chain))]
+        ahead = (*state.prefill, *state.waiting)  # the index counts waiters' blocks too
+        sharers = [(c, t) for t in ahead if (c := common_prefix(t.chain, p.chain))]
         if sharers:
             busy = max(c for c, _ in sharers)
             if held_blocks <= busy:  # the match may count blocks only they brought
@@ -217,11 +219,16 @@ class PrefillGate:
         return min(self._max_wait_s, estimate)
 
     def _release(self, state: _Worker) -> None:
-        """Waiters, oldest first, that no request in prefill holds back any longer go."""
+        """Waiters, oldest first, that no request in prefill or still waiting ahead of
+        them holds back any longer go."""
+        stay: list[Pass] = []
         for w in list(state.waiting):
-            busy = max((common_prefix(t.chain, w.chain) for t in state.prefill), default=0)
+            busy = max(
+                (common_prefix(t.chain, w.chain) for t in (*state.prefill, *stay)), default=0
+            )
             if busy - w.held >= self._least(w):
-                continue  # another request leads its prefix: it waits for that one
+                stay.append(w)  # another request leads its prefix: it waits for that one
+                continue
             state.waiting.remove(w)
             self._go(state, w)
             self.stats.handed += 1

@@ -155,3 +155,24 @@ async def test_a_forgotten_worker_releases_its_waiters() -> None:
     await asyncio.wait_for(task, 1.0)
     g.leave(w)
     assert g.waiting("w") == 0 and g.in_prefill("w") == 0
+
+
+async def test_siblings_of_a_waiting_request_wait_behind_it() -> None:
+    """Groups sharing an instruction: the second group's first waits for the instruction
+    (in prefill with the first group's), its siblings for it, though the index already
+    counts its blocks (recorded at its dispatch) as held."""
+    g = gate()
+    instruction = P[:5]
+    lead = g.enter("w", instruction + tuple(range(1, 16)), 0)
+    group = instruction + tuple(range(31, 46))
+    first = g.enter("w", group, len(instruction))  # the instruction: the lead's, in prefill
+    sibling = g.enter("w", group, len(group))  # the whole prompt: the first's, waiting
+    assert first.waiting is not None and sibling.waiting is not None
+    t_first, t_sibling = asyncio.create_task(g.wait(first)), asyncio.create_task(g.wait(sibling))
+    g.first_byte(lead)  # the instruction is cached: the group's first goes, then leads
+    await asyncio.wait_for(t_first, 1.0)
+    await settle()
+    assert not t_sibling.done()
+    g.first_byte(first)
+    await asyncio.wait_for(t_sibling, 1.0)
+    assert g.stats.timed_out == 0
