@@ -3,6 +3,7 @@ sglang-router, in one run on the same simulated workers.
 
     python -m loadtests.bench.scale [--workers 4] [--duration 8] [--rounds 2]
         [--concurrency 32] [--groups 32] [--redis-url redis://127.0.0.1:6379/0]
+        [--gateway LABEL=DIR ...] [--policy round_robin] [--overhead-only]
 
 Every party is a process of its own on 127.0.0.1, all sharing the machine's cores (no
 pinning): the simulated workers (``python -m simulator --workers N --speed 1000
@@ -21,6 +22,12 @@ on the shared cores falls on all alike; requests/s is the median round):
    ``--concurrency``, for direct (client-side round robin over the workers),
    sglang-router, this gateway in one process and in two (``--processes 2`` with
    ``--redis-url``, a fresh ``--redis-prefix``). Streaming latency is to the last byte.
+   ``--gateway LABEL=DIR`` (repeatable) adds a one-process gateway run from the source
+   tree DIR (e.g. ``git archive <commit> | tar -x -C DIR``), named ``gateway x1 LABEL``:
+   a before/after comparison in one run. ``--policy`` is the gateways' policy here
+   (sglang-router stays on round_robin); ``--overhead-only`` skips the two-process
+   gateway and phase 2. The table adds the contender's CPU µs per request (its CPU
+   seconds / requests served), the figure least moved by the machine's other load.
 2. Shared prefixes (``min_ttft``, both with the same Redis, fresh prefixes): ``--groups``
    system prompts of about 2,000 characters, each request one of them at random plus a
    question of its own, non-streaming; cached fraction = the workers' reported
@@ -205,6 +212,12 @@ class Cell:
         prompt = sum(r["prompt_tokens"] for r in self.runs)
         return sum(r["cached_tokens"] for r in self.runs) / prompt if prompt else None
 
+    def cpu_us(self) -> float:
+        """The contender's CPU µs per request served, over the cell's runs (0: direct)."""
+        served: int = sum(r["requests"] for r in self.runs)
+        used: float = sum(r["cpu"]["contender"] for r in self.runs)
+        return used * 1e6 / max(1, served)
+
     def cores(self, part: str) -> float:
         """Mean cores ``part`` used over the cell's runs (CPU s / wall s)."""
         return statistics.fmean(r["cpu"][part] / r["wall_s"] for r in self.runs)
@@ -267,7 +280,7 @@ def _simulator_cmd(base_port: int, workers: int, model_dir: str) -> list[str]:
 
 def _gateway_cmd(
     port: int, urls: Sequence[str], policy: str, processes: int, redis: tuple[str, str] | None
-) -> list[str]:
+) -> list[str]:  # run in a source tree's folder, ``-m gateway`` imports that tree
     cmd = [sys.executable, "-m", "gateway", "--worker-urls", *urls, "--policy", policy,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
            "--processes", str(processes)]  # fmt: skip
@@ -307,16 +320,17 @@ async def _serving(url: str, timeout_s: float, times: int = 8) -> bool:
 @contextlib.contextmanager
 def _gateway(
     stack_dir: Path, name: str, urls: Sequence[str], policy: str, processes: int,
-    redis_url: str | None,
+    redis_url: str | None, tree: Path | None = None,
 ) -> Iterator[Contender]:  # fmt: skip
-    """A gateway process (tree) until the block ends; its Redis keys deleted after."""
+    """A gateway process (tree) until the block ends, run from the source ``tree``
+    (default: this one); its Redis keys deleted after."""
     port = free_port()
     prefix = f"bench-scale-{uuid.uuid4().hex[:8]}"
     redis = (redis_url, prefix) if redis_url else None
     cmd = _gateway_cmd(port, urls, policy, processes, redis)
     log = stack_dir / f"{name.replace(' ', '_')}.log"
     try:
-        with running(cmd, log=log, grace_s=15.0) as proc:
+        with running(cmd, log=log, grace_s=15.0, cwd=tree) as proc:
             url = f"http://127.0.0.1:{port}"
             if not asyncio.run(_serving(url, 60)):
                 raise SystemExit(f"{name} did not serve; log in {log}")
@@ -345,8 +359,11 @@ def _phase(
 
 
 def _table(cells: Sequence[Cell], with_cached: bool) -> str:
-    head = "| contender | measure | requests/s | p50 ms | p99 ms | errors/requests |"
-    rule = "|---|---|---|---|---|---|"
+    head = (
+        "| contender | measure | requests/s | p50 ms | p99 ms | errors/requests "
+        "| contender CPU µs/request |"
+    )
+    rule = "|---|---|---|---|---|---|---|"
     if with_cached:
         head, rule = head + " cached fraction |", rule + "---|"
     head += " cores: contender / simulator / client |"
@@ -357,7 +374,7 @@ def _table(cells: Sequence[Cell], with_cached: bool) -> str:
         requests = sum(r["requests"] for r in c.runs)
         row = (
             f"| {c.contender} | {c.measure} | {c.rps():,.0f} | {c.latency_ms(50):.1f} | "
-            f"{c.latency_ms(99):.1f} | {errors}/{requests} |"
+            f"{c.latency_ms(99):.1f} | {errors}/{requests} | {c.cpu_us():,.0f} |"
         )
         if with_cached:
             cached = c.cached()
@@ -402,13 +419,21 @@ def _orchestrate(args: argparse.Namespace) -> str:
         if asyncio.run(_serving(router_url, 60)):
             contenders.append(Contender(ROUTER, [router_url], [router.pid]))
         with contextlib.ExitStack() as phase:
-            for name, n in (("gateway x1", 1), ("gateway x2", 2)):
-                redis = args.redis_url if n > 1 else None
+            for label, tree in _trees(args.gateway):
+                name = f"gateway x1 {label}".rstrip()
                 contenders.append(
-                    phase.enter_context(_gateway(logs, name, urls, "round_robin", n, redis))
+                    phase.enter_context(_gateway(logs, name, urls, args.policy, 1, None, tree))
+                )
+            if not args.overhead_only:
+                contenders.append(
+                    phase.enter_context(
+                        _gateway(logs, "gateway x2", urls, args.policy, 2, args.redis_url)
+                    )
                 )
             first = _phase(contenders, overhead, parts, args)
         load.append(os.getloadavg()[0])
+        if args.overhead_only:
+            return _report(first, [], load, args)
         with contextlib.ExitStack() as phase:
             pair = [
                 phase.enter_context(_gateway(logs, name, urls, "min_ttft", n, args.redis_url))
@@ -419,15 +444,36 @@ def _orchestrate(args: argparse.Namespace) -> str:
     return _report(first, second, load, args)
 
 
+def _trees(specs: Sequence[str]) -> list[tuple[str, Path | None]]:
+    """``LABEL=DIR`` specs as (label, tree); none: this tree, unlabelled."""
+    if not specs:
+        return [("", None)]
+    out: list[tuple[str, Path | None]] = []
+    for spec in specs:
+        label, _, tree = spec.partition("=")
+        out.append((label, Path(tree).resolve() if tree else None))
+    return out
+
+
 def _report(
     first: Sequence[Cell], second: Sequence[Cell], load: Sequence[float], args: argparse.Namespace
 ) -> str:
     c = args.concurrency
-    lines = ["Routing overhead (round_robin, short chat):", "", _table(first, False), ""]
+    lines = [f"Routing overhead ({args.policy}, short chat):", "", _table(first, False), ""]
+    ones = list(
+        dict.fromkeys(cell.contender for cell in first if cell.contender.startswith("gateway x1"))
+    )
     for measure in (f"stream c={c}", f"non-stream c={c}"):
-        for ours in ("gateway x1", "gateway x2"):
+        for ours in [*ones, "direct"] + ([] if args.overhead_only else ["gateway x2"]):
             lines.append(_ratio(first, ours, ROUTER, measure))
-        lines.append(_ratio(first, "gateway x2", "gateway x1", measure))
+        if not args.overhead_only:
+            lines.append(_ratio(first, "gateway x2", "gateway x1", measure))
+    if not second:
+        lines.append(
+            "- load average (1 min) before / after phase 1: " + " / ".join(f"{x:.1f}" for x in load)
+        )
+        lines.append(_settings(args))
+        return "\n".join(lines)
     lines += ["", f"Shared prefixes (min_ttft, {args.groups} system prompts):", ""]
     lines += [_table(second, True), ""]
     measure = f"shared prefix c={c}"
@@ -440,13 +486,17 @@ def _report(
         "- load average (1 min) before / after phase 1 / after phase 2: "
         + " / ".join(f"{x:.1f}" for x in load)
     )
-    lines.append(
+    lines.append(_settings(args))
+    return "\n".join(lines)
+
+
+def _settings(args: argparse.Namespace) -> str:
+    return (
         f"- settings: {args.workers} simulated workers (one process, speed 1000), "
         f"{args.rounds} interleaved rounds of {args.duration:g} s per cell, closed loop at "
-        f"{c}; {os.cpu_count()} cores shared by every process, no pinning; cores = CPU "
-        "seconds / wall seconds of the cell (contender: all its processes)"
+        f"{args.concurrency}; {os.cpu_count()} cores shared by every process, no pinning; "
+        "cores = CPU seconds / wall seconds of the cell (contender: all its processes)"
     )
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -460,6 +510,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--gateway",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="a one-process gateway from this source tree (repeatable; default: this tree)",
+    )
+    parser.add_argument("--policy", default="round_robin", help="the gateways' policy, phase 1")
+    parser.add_argument(
+        "--overhead-only", action="store_true", help="phase 1 without the 2-process gateway"
+    )
     args = parser.parse_args(argv)
     print(_orchestrate(args))
     return 0
