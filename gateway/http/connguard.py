@@ -140,8 +140,10 @@ class _Guarded(asyncio.Protocol):
         if self._inner is None:
             return
         waiting = self._waiting_for_request()
-        if self._timer is None and waiting:
-            self._start_head_deadline()  # a kept-alive connection's next request begins
+        # a kept-alive connection's next request begins; a head whole in its first piece
+        # (the common case) met its deadline already: no timer
+        if self._timer is None and waiting and _HEAD_END not in data:
+            self._start_head_deadline()
         if self._timer is not None:
             if _HEAD_END in self._tail + data:
                 self._timer.cancel()
