@@ -85,7 +85,7 @@ class CandidateColumns(Sequence[CandidateScore]):
         self.workers = workers
         self.matched = matched
         self.scores = scores
-        self.host = host
+        self.host = host or None  # () of no candidate: no column either
 
     @classmethod
     def of(cls, views: Sequence[WorkerView], scores: Mapping[str, float]) -> CandidateColumns:
