@@ -33,7 +33,9 @@ its feedback, before each new decision), so the leases, pins and load counts are
 a busy gateway.
 
 ``--profile POLICY`` runs cProfile over that policy's decisions at the largest fleet and
-prints the top functions by internal time.
+prints the top functions by internal time. ``--phases`` prints, per cell, the mean CPU
+time of each phase (estimate, candidates, choose, record, dispatch; a clock read between
+phases, so the cells' own figures grow by about a microsecond).
 
 The collector's load, after the timed decisions (with their requests still in flight):
 the objects it tracks (thousands: what every full collection walks) and the CPU time of
@@ -191,13 +193,20 @@ class Decider:
         self.outstanding: deque[tuple[RouteRequest, Choice, Lease]] = deque()
         self.limit = in_flight_per_worker * len(fleet.workers)
         self.now = 1.0
+        # ``--phases``: CPU ns per phase of the timed decisions (None: not measured)
+        self.phases: dict[str, int] | None = None
+        self._marked = 0
 
     def decide(self, req: RouteRequest, n: int) -> tuple[RouteRequest, Choice, Lease]:
         """One decision, as ``Router.handle`` and ``Router._attempt`` make it."""
-        core, registry = self.core, self.fleet.registry
+        core, registry, mark = self.core, self.fleet.registry, self.mark
+        mark("")
         core.estimate(req)
+        mark("estimate")
         workers = registry.candidates((), req.model, None, None)
+        mark("candidates")
         choice = core.choose(req, workers, self.now, None, None, None)
+        mark("choose")
         record = DecisionRecord.from_decision(
             request_id=f"r{n}",
             policy=choice.policy.name,
@@ -209,9 +218,20 @@ class Decider:
         record.arm, record.shadows = choice.arm, choice.shadows
         record.estimated_ttft_s = choice.estimated_ttft_s
         self.log.add(record)
+        mark("record")
         lease = core.dispatch(req, choice, self.now, None)
         record.index_mode = choice.index_mode
+        mark("dispatch")
         return req, choice, lease
+
+    def mark(self, phase: str) -> None:
+        """With ``phases`` on, charge the CPU time since the last mark to ``phase``."""
+        if self.phases is None:
+            return
+        now = time.thread_time_ns()
+        if phase:
+            self.phases[phase] = self.phases.get(phase, 0) + now - self._marked
+        self._marked = now
 
     def finish_oldest(self) -> None:
         """The oldest outstanding request ends: the worker reports the predicted prefix
@@ -311,8 +331,13 @@ def measure(
     decider.run(make_requests(fleet, args.warmup, args.system_prompts, args.seed + 1), False)
     timed = make_requests(fleet, args.requests, args.system_prompts, args.seed + 2)
     profiler = cProfile.Profile() if profile else None
+    if args.phases:
+        decider.phases = {}
     with GcPauses() as pauses:
         walls, cpus = decider.run(timed, True, profiler)
+    if decider.phases is not None:
+        means = ", ".join(f"{k} {v / 1e3 / len(cpus):,.0f}" for k, v in decider.phases.items())
+        print(f"# {len(fleet.workers)} workers, {policy}: mean CPU µs per phase: {means}")
     times, cpu_times = sorted(walls), sorted(cpus)
     if profiler is not None:
         out = io.StringIO()
@@ -354,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", metavar="POLICY", help="cProfile it at the largest fleet")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before building")
+    parser.add_argument("--phases", action="store_true", help="mean CPU time of each phase")
     args = parser.parse_args(argv)
     if args.gc_freeze:
         gc.collect()

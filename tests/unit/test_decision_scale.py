@@ -280,7 +280,10 @@ def test_the_decision_bench_runs_and_reports_the_collectors_load(
     from loadtests.micro import decision
 
     args = ["--fleets", "2", "--requests", "30", "--warmup", "5", "--capacity-tokens", "4000"]
-    assert decision.main([*args, "--system-prompts", "2", "--in-flight", "2"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert decision.main([*args, "--system-prompts", "2", "--in-flight", "2", "--phases"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("| 2 |")]
     assert [r.split(" | ")[2] for r in rows] == list(decision.POLICIES)
     assert all(len(r.strip("|").split("|")) == 13 for r in rows)  # tracked, one full GC
+    phases = [line for line in out if "mean CPU µs per phase" in line]
+    assert len(phases) == 3 and all("dispatch" in line for line in phases)
