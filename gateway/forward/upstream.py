@@ -462,7 +462,8 @@ class UpstreamResponse:
             if transport is not None:
                 self._paused = True
                 transport.pause_reading()
-        self._wake()
+        if self._waiter is not None:  # a chunked body: a call per piece, most find no reader
+            self._wake()
 
     def on_message_complete(self) -> None:
         if self._interim:
