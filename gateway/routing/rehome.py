@@ -39,7 +39,11 @@ home: the candidate with the least ``load + tokens it would have to compute``, w
 load is its queued prefill tokens, plus the tokens of the chains it was sent within
 ``recent_s`` (the conversations it holds: the work they will bring), plus the hot parts
 this drain already gave it; so conversations are spread by load and a chain sharing a
-long prefix with one re-homed before follows it there when that is cheaper. The part is
+long prefix with one re-homed before follows it there when that is cheaper. Optionally
+no home is given more than ``max_home_share`` x an even share (over the candidates) of
+the tokens the drain's parts need computed (by load alone, 3 of 7 homes took all 117
+conversations of a multi-turn drain; spread at 1.25, the fleet's routing then collapsed
+onto 4 workers: off by default, BENCHMARKS.md, "Drains and scale-out"). The part is
 recorded under its new home in the prefix index (unpinned, as a peer's recording), so
 the conversation's next turn goes there, and the chain's entry and prompt move to the
 new home's log. Chains never reused are left alone: recording them would push real
@@ -52,11 +56,13 @@ first.
 ``prewarm_recent_s`` whose prompt is stored are queued, hottest first, as prefill-only
 requests to their new homes (a reused prefix: the prompt cut to it), paced by one
 fleet-wide :class:`TokenBudget` (tokens per second, a burst) and at most
-``max_in_flight`` per home; whatever is still queued when the drained worker leaves (its
-job's deadline) is dropped. A queued chain whose conversation came back meanwhile (its
-entry no longer in the new home's log: the next turn extended it there) is skipped: that
-turn computed it. Budget units are the tokens the home is believed not to hold when the
-chain is planned.
+``max_in_flight`` per home, optionally only to a home whose queued prefill tokens (live
+requests and pre-warms) are at most ``max_home_queued_tokens`` (so pre-warms do not
+queue ahead of live requests; a busy home is polled); whatever is still queued when the
+drained worker leaves (its job's deadline) is dropped. A queued chain whose
+conversation came back meanwhile (its entry no longer in the new home's log: the next
+turn extended it there) is skipped: that turn computed it. Budget units are the tokens
+the home is believed not to hold when the chain is planned.
 
 **Joining workers** (:func:`shared_prefixes`): the fleet's most shared prefixes (the
 longest prefix of recent chains that at least half the workers are believed to hold:
@@ -443,11 +449,23 @@ class PrewarmItem:
 class PrewarmQueue:
     """Queued pre-warms of every drain and join, sent in order within one budget."""
 
-    def __init__(self, budget: TokenBudget, max_in_flight: int = 2) -> None:
+    def __init__(
+        self,
+        budget: TokenBudget,
+        max_in_flight: int = 2,
+        max_home_queued_tokens: float = math.inf,
+        busy_poll_s: float = 0.05,
+    ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be ≥ 1")
+        if max_home_queued_tokens < 0 or busy_poll_s <= 0:
+            raise ValueError("max_home_queued_tokens must be ≥ 0 and busy_poll_s positive")
         self.budget = budget
         self.max_in_flight = max_in_flight
+        # a home whose queued prefill (live requests and pre-warms) is above this is busy:
+        # its pre-warms wait, polled every busy_poll_s (module docstring)
+        self.max_home_queued = max_home_queued_tokens
+        self.busy_poll_s = busy_poll_s
         self._items: list[PrewarmItem] = []
 
     def __len__(self) -> int:
@@ -466,12 +484,15 @@ class PrewarmQueue:
         now: float,
         in_flight: Mapping[str, int],
         wanted: Callable[[PrewarmItem], bool],
+        queued: Mapping[str, float] | None = None,
     ) -> list[PrewarmItem]:
         """The items to send now, in queue order: past their job's deadline (or its job
-        stopped) dropped, no longer ``wanted`` skipped, a home at ``max_in_flight``
-        passed over; stops at the first the budget cannot pay yet."""
+        stopped) dropped, no longer ``wanted`` skipped, a home at ``max_in_flight`` or
+        busy (its ``queued`` prefill tokens above ``max_home_queued_tokens``) passed
+        over; stops at the first the budget cannot pay yet."""
         out: list[PrewarmItem] = []
         busy = dict(in_flight)
+        load = dict(queued or {})
         kept: list[PrewarmItem] = []
         blocked = False
         for item in self._items:
@@ -480,12 +501,14 @@ class PrewarmQueue:
                 kept.append(item)
             elif job.stopped or now > job.deadline_s:
                 job.dropped += 1
-            elif busy.get(item.worker_id, 0) >= self.max_in_flight:
+            elif busy.get(item.worker_id, 0) >= self.max_in_flight or self._busy(item, load):
                 kept.append(item)
             elif not wanted(item):
                 job.skipped += 1
             elif self.budget.take(item.tokens, now):
                 busy[item.worker_id] = busy.get(item.worker_id, 0) + 1
+                if queued is not None:  # its lease will count it there
+                    load[item.worker_id] = load.get(item.worker_id, 0.0) + item.tokens
                 job.sent += 1
                 job.tokens_sent += item.tokens
                 out.append(item)
@@ -495,16 +518,27 @@ class PrewarmQueue:
         self._items = kept
         return out
 
-    def next_wake(self, now: float, in_flight: Mapping[str, int]) -> float | None:
+    def _busy(self, item: PrewarmItem, queued: Mapping[str, float]) -> bool:
+        return queued.get(item.worker_id, 0.0) > self.max_home_queued
+
+    def next_wake(
+        self, now: float, in_flight: Mapping[str, int], queued: Mapping[str, float] | None = None
+    ) -> float | None:
         """When :meth:`due` may next send something (None: nothing queued; ``now``: at
-        once, e.g. to drop what is past its deadline)."""
+        once, e.g. to drop what is past its deadline); a busy home is polled every
+        ``busy_poll_s`` (its queue drains without telling the queue)."""
+        poll = None
         for item in self._items:
             if item.job.stopped or now > item.job.deadline_s:
                 return now
             if in_flight.get(item.worker_id, 0) >= self.max_in_flight:
                 continue
-            return min(now + self.budget.wait_s(item.tokens, now), item.job.deadline_s)
-        return None
+            if queued is not None and self._busy(item, queued):
+                poll = min(now + self.busy_poll_s, item.job.deadline_s)
+                continue
+            wake = min(now + self.budget.wait_s(item.tokens, now), item.job.deadline_s)
+            return wake if poll is None else min(wake, poll)
+        return poll
 
     def stop(self, job: PrewarmJob) -> None:
         """Drop what ``job`` still has queued."""
@@ -529,6 +563,9 @@ class RehomeSettings:
     # ... and all of every chain when at least this share of the drained worker's recent
     # conversations came back (a chat fleet: the ones on their first turn will too)
     returning_share: float = 0.5
+    # a home is given at most this many times an even share (over the candidates) of
+    # the tokens the drain re-homes (inf, the default: by load alone)
+    max_home_share: float = math.inf
 
 
 @dataclass(slots=True)
@@ -597,6 +634,8 @@ def plan_rehome(
     returning = bool(recent) and came_back >= settings.returning_share * len(recent)
     report.returning_share = came_back / len(recent) if recent else 0.0
     items: list[PrewarmItem] = []
+    moving: list[tuple[ChainEntry, str, int]] = []
+    total = 0.0  # tokens to compute for them, at least (on their best home)
     for entry, source in pool:
         report.considered += 1
         if now - entry.last_s > settings.recent_s:
@@ -617,12 +656,24 @@ def plan_rehome(
         if not load:
             report.no_home += 1
             continue
+        moving.append((entry, source, hot))
+        total += (hot - min(hot, elsewhere)) * index.block_tokens(source)
+    # no home is given more than max_home_share x an even share of the tokens the
+    # drain's chains need computed: the least loaded homes at the drain instant would
+    # otherwise take every conversation (and their caches evict them)
+    cap = settings.max_home_share * total / len(load) if load else math.inf
+    given = dict.fromkeys(load, 0.0)
+    for entry, source, hot in moving:
+        n = len(entry.chain)
+        matches = index.match(entry.chain)  # again: a sibling re-homed before counts
 
-        def cost(wid: str, hot: int = hot, matches: Mapping[str, int] = matches) -> float:
-            return load[wid] + (hot - min(hot, matches.get(wid, 0))) * index.block_tokens(wid)
+        def todo_of(wid: str, hot: int = hot, matches: Mapping[str, int] = matches) -> float:
+            return (hot - min(hot, matches.get(wid, 0))) * index.block_tokens(wid)
 
-        home = min(load, key=cost)
-        todo = round((hot - min(hot, matches.get(home, 0))) * index.block_tokens(home))
+        room = [w for w in load if given[w] == 0 or given[w] + todo_of(w) <= cap]
+        home = min(room or load, key=lambda w: load[w] + todo_of(w))
+        todo = round(todo_of(home))
+        given[home] += todo
         load[home] += hot * index.block_tokens(home)
         blocks = entry.chain[:hot]
         index.record(blocks, home, now, pin=False)

@@ -55,6 +55,8 @@ def config(
     min_uses: int = 2,
     workload_args: Sequence[str] = MULTI_TURN,
     drain_worker: int = -1,
+    max_home_queued: float = math.inf,
+    max_home_share: float = math.inf,
 ) -> ReplayConfig:
     at = EVENT_S[source]
     plan = MembershipPlan(
@@ -66,6 +68,8 @@ def config(
         window_s=600.0,
         prewarm_tokens_per_s=rate,
         min_uses=min_uses,
+        prewarm_max_home_queued=max_home_queued,
+        max_home_share=max_home_share,
         slow_start_s=60.0,
     )
     common: dict[str, Any] = {
@@ -153,6 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--prewarm-tokens-per-s", type=float, default=32000.0)
     p.add_argument("--min-uses", type=int, default=2, help="drain.min_uses (2)")
+    p.add_argument("--prewarm-max-home-queued", type=float, default=math.inf,
+                   help="pre-warm a home only while its queued prefill tokens are at most "
+                   "this (default: any)")  # fmt: skip
+    p.add_argument("--max-home-share", type=float, default=math.inf,
+                   help="a home's cap, x an even share (default inf: by load)")  # fmt: skip
     p.add_argument("--drain-worker", type=int, default=-1, help="its index (-1: the busiest)")
     p.add_argument("--multi-turn-arg", action="append", default=[], metavar="K=V",
                    help="override one of the multi-turn workload's arguments")  # fmt: skip
@@ -171,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = args.out / f"{s}-{e}-{m}-s{seed}.json"
         if args.rerun or not path.exists():
             cfg = config(s, e, m, seed, args.prewarm_tokens_per_s, args.min_uses, wargs,
-                         args.drain_worker)  # fmt: skip
+                         args.drain_worker, args.prewarm_max_home_queued,
+                         args.max_home_share)  # fmt: skip
             jobs.append((path, cfg))
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for name in pool.map(_run, jobs):

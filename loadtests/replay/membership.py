@@ -43,6 +43,7 @@ Figures (``summary["membership"]``), over the requests that *arrive* within
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -104,10 +105,13 @@ class MembershipPlan:
     rehome_recent_s: float = 600.0
     min_uses: int = 2
     returning_share: float = 0.5
+    max_home_share: float = math.inf  # rehome.RehomeSettings.max_home_share
     prewarm_recent_s: float = 300.0
     prewarm_tokens_per_s: float = 8000.0
     prewarm_burst_tokens: int = 65536
     prewarm_max_in_flight: int = 2
+    # a home is sent a pre-warm only while its queued prefill is at most this (inf: any)
+    prewarm_max_home_queued: float = math.inf
     prompt_store_bytes: int = 1 << 30  # token ids, 4 bytes each
     slow_start_s: float = 60.0
     slow_start_aggression: float = 1.0
@@ -204,6 +208,7 @@ class MembershipSimulation(Simulation):
         self.queue = PrewarmQueue(
             TokenBudget(plan.prewarm_tokens_per_s, plan.prewarm_burst_tokens, 0.0),
             plan.prewarm_max_in_flight,
+            plan.prewarm_max_home_queued,
         )
         self._prewarms: dict[str, _Prewarm] = {}
         self._sent = 0
@@ -259,7 +264,7 @@ class MembershipSimulation(Simulation):
         (and at each pre-warm's completion, in :meth:`_deliver`)."""
         t = self.now
         while True:
-            wake = self.queue.next_wake(t, self._in_flight)
+            wake = self.queue.next_wake(t, self._in_flight, self._queued())
             if wake is None or wake > until:
                 break
             super()._advance(wake)
@@ -289,7 +294,8 @@ class MembershipSimulation(Simulation):
         settings = RehomeSettings(recent_s=self.plan.rehome_recent_s, prewarm=True,
                                   prewarm_recent_s=self.plan.prewarm_recent_s,
                                   min_uses=self.plan.min_uses,
-                                  returning_share=self.plan.returning_share)  # fmt: skip
+                                  returning_share=self.plan.returning_share,
+                                  max_home_share=self.plan.max_home_share)  # fmt: skip
         if self.plan.mode == "cache_aware":
             self.job = PrewarmJob(REASON_DRAIN, worker.id, now + self.plan.drain_period_s)
         loads = {w.id: float(w.queued_prefill_tokens) for w in self.routable()}
@@ -350,8 +356,13 @@ class MembershipSimulation(Simulation):
 
     # --- pre-warming ------------------------------------------------------------------
 
+    def _queued(self) -> dict[str, float]:
+        """Each worker's queued prefill tokens (its leases': live requests, pre-warms)."""
+        return {w.id: float(w.queued_prefill_tokens) for w in self.gw}
+
     def _pump(self, now: float) -> None:
-        due = self.queue.due(now, self._in_flight, lambda i: still_wanted(self.chains, i))
+        wanted = functools.partial(still_wanted, self.chains)
+        due = self.queue.due(now, self._in_flight, wanted, self._queued())
         for item in due:
             k = next(j for j, w in enumerate(self.gw) if w.id == item.worker_id)
             key = self.chains.payload(*item.key)
@@ -468,7 +479,12 @@ def add_membership_args(parser: argparse.ArgumentParser) -> None:
                    help="figures over arrivals this long after the event (600)")  # fmt: skip
     g.add_argument("--prewarm-tokens-per-s", type=float, default=8000.0)
     g.add_argument("--prewarm-recent-s", type=float, default=300.0)
+    g.add_argument("--prewarm-max-home-queued", type=float, default=math.inf,
+                   help="pre-warm a home only while its queued prefill tokens are at most "
+                   "this (default: any)")  # fmt: skip
     g.add_argument("--min-uses", type=int, default=2, help="drain.min_uses (2)")
+    g.add_argument("--max-home-share", type=float, default=math.inf,
+                   help="a home's cap, x an even share (default inf: by load)")  # fmt: skip
     g.add_argument("--slow-start-s", type=float, default=60.0)
     g.add_argument("--join-prefixes", type=int, default=4)
 
@@ -486,7 +502,9 @@ def plan_from_args(ns: argparse.Namespace) -> MembershipPlan | None:
         window_s=ns.membership_window,
         prewarm_tokens_per_s=ns.prewarm_tokens_per_s,
         prewarm_recent_s=ns.prewarm_recent_s,
+        prewarm_max_home_queued=ns.prewarm_max_home_queued,
         min_uses=ns.min_uses,
+        max_home_share=ns.max_home_share,
         slow_start_s=ns.slow_start_s,
         join_prefixes=ns.join_prefixes,
     )

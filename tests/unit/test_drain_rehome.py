@@ -130,6 +130,35 @@ def test_a_drain_rehomes_the_drained_workers_hot_prefixes_by_load() -> None:
     assert {e.chain[-1] for e in log.entries("a")} == {9019, 8019}  # what stayed: cold, shared
 
 
+def test_max_home_share_keeps_the_least_loaded_home_from_taking_every_conversation() -> None:
+    index = PrefixIndex(block_tokens=16.0)
+    for w in "abcde":
+        index.set_capacity(w, 420_000)
+    log: ChainLog[bytes] = ChainLog(index.capacity_blocks)
+    for i in range(1, 41):  # 40 conversations of 30 blocks on a
+        _dispatch(index, log, "a", _chain(i, 20), 100.0 + i)
+    for j, w in enumerate("bcd"):  # b, c, d hold conversations of their own; e none
+        for i in range(20):
+            _dispatch(index, log, w, _chain(100 + 20 * j + i, 20), 100.0)
+    loads = dict.fromkeys("bcde", 0.0)
+    spread, _ = plan_rehome(log, index, ["a"], loads, 150.0,
+                            RehomeSettings(min_uses=1, max_home_share=1.25))  # fmt: skip
+    # an even share is 10 conversations; 1.25 of it: at most 12 on a home (e the most)
+    assert spread.rehomed == 40 and max(spread.homes.values()) <= 12
+    assert spread.homes["e"] == 12 and len(spread.homes) == 4
+    index2 = PrefixIndex(block_tokens=16.0)
+    for w in "abcde":
+        index2.set_capacity(w, 420_000)
+    log2: ChainLog[bytes] = ChainLog(index2.capacity_blocks)
+    for i in range(1, 41):
+        _dispatch(index2, log2, "a", _chain(i, 20), 100.0 + i)
+    for j, w in enumerate("bcd"):
+        for i in range(20):
+            _dispatch(index2, log2, w, _chain(100 + 20 * j + i, 20), 100.0)
+    by_load, _ = plan_rehome(log2, index2, ["a"], loads, 150.0, RehomeSettings(min_uses=1))
+    assert by_load.homes["e"] > 12  # by load alone, the empty home takes the most
+
+
 def test_siblings_follow_the_chain_rehomed_before_them() -> None:
     index, log = _setup()
     trunk = _chain(1, 30)
@@ -254,6 +283,25 @@ def test_a_stopped_job_and_unwanted_items_send_nothing() -> None:
     assert job.dropped == 1 and job.stopped
     assert queue.due(1.0, {}, lambda _i: False) == [] and other.skipped == 1
     assert queue.next_wake(1.0, {}) is None
+
+
+def test_a_busy_home_gets_no_prewarm_until_its_queue_drains() -> None:
+    queue = PrewarmQueue(TokenBudget(1e6, 1e6, 0.0), max_in_flight=4,
+                         max_home_queued_tokens=1000, busy_poll_s=0.05)  # fmt: skip
+    job = PrewarmJob(REASON_DRAIN, "a", 100.0)
+    queue.add([PrewarmItem(job, "b", [1], 1200, 0.0, ("a", 1)),
+               PrewarmItem(job, "b", [2], 1200, 0.0, ("a", 2)),
+               PrewarmItem(job, "c", [3], 1200, 0.0, ("a", 3))])  # fmt: skip
+    busy = {"b": 5000.0, "c": 0.0}
+    # b is busy with live prefill: c's goes, b's wait and are polled
+    assert [i.chain for i in queue.due(1.0, {}, lambda _i: True, busy)] == [[3]]
+    assert queue.next_wake(1.0, {"c": 1}, busy) == pytest.approx(1.05)
+    # b idle: one goes, and its own tokens make b busy for the next
+    idle = {"b": 0.0, "c": 1200.0}
+    assert [i.chain for i in queue.due(2.0, {"c": 1}, lambda _i: True, idle)] == [[1]]
+    assert len(queue) == 1
+    assert [i.chain for i in queue.due(3.0, {}, lambda _i: True, {"b": 0.0})] == [[2]]
+    assert job.sent == 3 and len(queue) == 0
 
 
 def test_a_queued_prewarm_is_skipped_once_the_conversation_came_back() -> None:
