@@ -46,7 +46,7 @@ from gateway.routing.cost_model import CostModel
 from gateway.routing.decide import RoutingCore, TtftEstimate
 from gateway.routing.decisions import DecisionLog
 from gateway.routing.policy_set import PolicySet
-from gateway.routing.prefill_gate import PrefillGate
+from gateway.routing.prefill_gate import BATCH_TOKENS, PrefillGate
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.prewarm import Membership, MembershipSettings, Stored
 from gateway.routing.rehome import ChainLog, PrewarmQueue, PromptStore, RehomeSettings, TokenBudget
@@ -315,7 +315,16 @@ def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
             + (cost.prefill_pair_s or 0.0) * tokens * tokens / 2
         )
 
-    prefill = PrefillGate(index, config.prefix_index.prefill_wait_s, prefill_s=prefill_s)
+    def batch_blocks(worker_id: str) -> int:
+        """One SGLang prefill batch's tokens (max_prefill_tokens' default), in blocks."""
+        return max(1, int(BATCH_TOKENS / index.block_tokens(worker_id)))
+
+    prefill = PrefillGate(
+        index,
+        config.prefix_index.prefill_wait_s,
+        prefill_s=prefill_s,
+        batch_blocks=batch_blocks,
+    )
     tokens = TokenAccounting(
         config.request.chars_per_token,
         config.request.block_chars,

@@ -13,10 +13,21 @@ Rule, per request routed to a radix-cache worker (the prefix index does not boun
 sequences: ``held_sequences`` is None; the router offers only SGLang workers): let
 ``busy`` be the longest prefix (in blocks) it shares with a request *in prefill* there
 (dispatched by this gate, no first byte yet) or waiting there ahead of it, and ``held``
-the blocks of it the worker holds idle. When ``busy - held`` is at least ``min_share`` of
-the request's blocks and at least one block, the request waits until that sibling's
-first byte (SGLang has then cached its prompt), and goes then, as a hit. Requests
-sharing nothing with a request in prefill or waiting are never held.
+the blocks of it the worker holds idle. The request waits until that sibling's first
+byte (SGLang has then cached its prompt), and goes then, as a hit, when waiting is worth
+it:
+- ``busy - held`` is at least ``min_share`` of the request's blocks and at least one block;
+- it is at least half of what that sibling computes (its blocks not held): the wait lasts
+  about that prefill, so a request sharing only a short instruction with another group's
+  first goes at once (waiting, it would have cost the group behind it a round trip);
+- the prefill queued on the worker (the blocks not held of the requests there in prefill)
+  is within one batch (``batch_blocks``: SGLang's ``max_prefill_tokens``, 16,384 by
+  default). Sent at once, the request would then be prefilled in the sibling's batch; behind
+  more, it would be prefilled in a later batch, after its sibling's prompt is cached, and
+  hit without waiting, while held it would go behind everything sent meanwhile. (A burst
+  of 600 shared-prefix requests held 496 until their 2 s bound, one leader per group at the
+  head of each queue, and lost a third of the hits: BENCHMARKS.md, "Prefill gate".)
+Requests sharing nothing with a request in prefill or waiting are never held.
 
 ``held``: the index records a prompt at dispatch, so its match on the chosen worker
 (``held_blocks``, taken before this request is recorded) counts the blocks of requests
@@ -25,10 +36,10 @@ instead what the sharing requests found held at their own dispatch (each pass ke
 raised at every first byte of a request sharing its prefix), capped by the match.
 
 Order and bounds:
-- At a first byte, the waiters are re-examined oldest first: a waiter goes when what it
-  shares with the requests now in prefill (the ones just released included) and the
-  waiters staying ahead of it is no longer ``min_share`` beyond what the worker holds,
-  so at most one request per prefix leads at a time: identical siblings all go at their
+- At a first byte, the waiters are re-examined oldest first: a waiter goes when waiting
+  for the requests now in prefill (the ones just released included) and the waiters
+  staying ahead of it is no longer worth it (as above), so at most one request per prefix
+  leads at a time: identical siblings all go at their
   first's first byte; two waiters sharing more with each other than with the finished
   one go one after the other.
 - A request in prefill that ends without a first byte (failed, client gone) releases its
@@ -88,6 +99,13 @@ def _uncalibrated(worker_id: str, blocks: int) -> float | None:
     return None
 
 
+BATCH_TOKENS = 16384  # SGLang's default max_prefill_tokens: one prefill batch at most
+
+
+def _one_batch(worker_id: str) -> int:
+    return BATCH_TOKENS // 64  # blocks of 64 tokens, when the caller does not say
+
+
 class PrefillGate:
     def __init__(
         self,
@@ -95,15 +113,18 @@ class PrefillGate:
         max_wait_s: float,
         min_share: float = 0.1,
         prefill_s: Callable[[str, int], float | None] = _uncalibrated,
+        batch_blocks: Callable[[str], int] = _one_batch,
     ) -> None:
         """``prefill_s(worker, blocks)``: the estimated seconds to prefill that many more
-        blocks there now, its queue included; None before calibration."""
+        blocks there now, its queue included; None before calibration.
+        ``batch_blocks(worker)``: the blocks one prefill batch there takes at most."""
         if max_wait_s < 0 or not 0 <= min_share <= 1:
             raise ValueError("max_wait_s must be >= 0 and min_share in [0, 1]")
         self._index = index
         self._max_wait_s = max_wait_s
         self._min_share = min_share
         self._prefill_s = prefill_s
+        self._batch_blocks = batch_blocks
         self._workers: dict[str, _Worker] = {}
         self.stats = GateStats()  # handed: released at a sibling's first byte or end
 
@@ -123,11 +144,11 @@ class PrefillGate:
         ahead = (*state.prefill, *state.waiting)  # the index counts waiters' blocks too
         sharers = [(c, t) for t in ahead if (c := common_prefix(t.chain, p.chain))]
         if sharers:
-            busy = max(c for c, _ in sharers)
+            busy, lead = max(sharers, key=lambda s: s[0])
             if held_blocks <= busy:  # the match may count blocks only they brought
                 p.held = min(held_blocks, max(min(c, t.held) for c, t in sharers))
             gain = busy - p.held
-            if gain >= self._least(p):
+            if self._worth(state, p, busy, lead, worker_id):
                 p.max_wait_s = self._bound(worker_id, gain)
         if p.max_wait_s > 0:
             p.phase = _WAITING
@@ -212,6 +233,18 @@ class PrefillGate:
     def _least(self, p: Pass) -> int:
         return max(1, math.ceil(self._min_share * len(p.chain)))
 
+    def _worth(self, state: _Worker, p: Pass, busy: int, lead: Pass, worker_id: str) -> bool:
+        """Whether ``p`` gains by waiting for ``lead`` (its longest sharer, ``busy``
+        blocks in common): it saves at least ``min_share`` of its prompt, at least half of
+        what ``lead`` computes (the wait lasts about ``lead``'s prefill), and the worker's
+        queued prefill is within one batch (sent now, ``p`` would be prefilled with
+        ``lead``; behind more, it would be prefilled after ``lead`` and hit anyway)."""
+        gain = busy - p.held
+        if gain < self._least(p) or 2 * gain < len(lead.chain) - lead.held:
+            return False
+        queued = sum(len(t.chain) - t.held for t in state.prefill)
+        return queued <= self._batch_blocks(worker_id)
+
     def _bound(self, worker_id: str, gain_blocks: int) -> float:
         estimate = self._prefill_s(worker_id, gain_blocks)
         if estimate is None:
@@ -223,10 +256,12 @@ class PrefillGate:
         them holds back any longer go."""
         stay: list[Pass] = []
         for w in list(state.waiting):
-            busy = max(
-                (common_prefix(t.chain, w.chain) for t in (*state.prefill, *stay)), default=0
+            busy, lead = max(
+                ((common_prefix(t.chain, w.chain), t) for t in (*state.prefill, *stay)),
+                key=lambda s: s[0],
+                default=(0, w),
             )
-            if busy - w.held >= self._least(w):
+            if self._worth(state, w, busy, lead, w.worker_id):
                 stay.append(w)  # another request leads its prefix: it waits for that one
                 continue
             state.waiting.remove(w)

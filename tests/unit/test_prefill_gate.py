@@ -158,21 +158,75 @@ async def test_a_forgotten_worker_releases_its_waiters() -> None:
 
 
 async def test_siblings_of_a_waiting_request_wait_behind_it() -> None:
-    """Groups sharing an instruction: the second group's first waits for the instruction
-    (in prefill with the first group's), its siblings for it, though the index already
-    counts its blocks (recorded at its dispatch) as held."""
+    """Requests waiting count as sharers: the index already counts a waiting request's
+    blocks (recorded at its dispatch) as held, yet its siblings wait behind it."""
     g = gate()
-    instruction = P[:5]
-    lead = g.enter("w", instruction + tuple(range(1, 16)), 0)
-    group = instruction + tuple(range(31, 46))
-    first = g.enter("w", group, len(instruction))  # the instruction: the lead's, in prefill
-    sibling = g.enter("w", group, len(group))  # the whole prompt: the first's, waiting
+    lead = g.enter("w", P, 0)
+    first = g.enter("w", P + Q, len(P))  # P: the lead's, in prefill
+    sibling = g.enter("w", P + Q, len(P + Q))  # the whole prompt: the first's, waiting
     assert first.waiting is not None and sibling.waiting is not None
     t_first, t_sibling = asyncio.create_task(g.wait(first)), asyncio.create_task(g.wait(sibling))
-    g.first_byte(lead)  # the instruction is cached: the group's first goes, then leads
+    g.first_byte(lead)  # P is cached: the first goes, then leads
     await asyncio.wait_for(t_first, 1.0)
     await settle()
     assert not t_sibling.done()
     g.first_byte(first)
     await asyncio.wait_for(t_sibling, 1.0)
     assert g.stats.timed_out == 0
+
+
+async def test_a_small_share_of_what_the_sharer_computes_is_not_worth_its_prefill() -> None:
+    """Groups sharing an instruction: the second group's first shares 5 of the 20 blocks
+    the first group's computes; it goes at once (waiting would cost that whole prefill to
+    save a quarter of it), and its siblings wait for it."""
+    g = gate()
+    instruction = P[:5]
+    g.enter("w", instruction + tuple(range(1, 16)), 0)
+    group = instruction + tuple(range(31, 46))
+    first = g.enter("w", group, len(instruction))
+    assert first.waiting is None
+    assert g.enter("w", group, len(group)).waiting is not None
+    assert g.stats.held == 1
+    g.forget_worker("w")
+
+
+async def test_a_sibling_goes_at_once_behind_more_than_one_prefill_batch() -> None:
+    """Sent now, it would be prefilled in a later batch than its sibling, after that one
+    is cached: a hit without waiting. Held, it would go behind the queue afterwards."""
+    g = PrefillGate(Index(), 5.0, batch_blocks=lambda worker_id: 30)
+    g.enter("w", P, 0)  # 20 blocks to prefill: within a batch
+    assert g.enter("w", P, len(P)).waiting is not None
+    g.enter("w", tuple(range(900, 915)), 0)  # 15 more: 35 queued, over the batch
+    assert g.enter("w", P, len(P)).waiting is None
+    g.forget_worker("w")
+
+
+async def test_waiters_go_at_a_release_once_the_queue_is_over_a_batch() -> None:
+    g = PrefillGate(Index(), 5.0, batch_blocks=lambda worker_id: 30)
+    lead = g.enter("w", (*P, 7), 0)  # 21 blocks: within a batch
+    other = g.enter("w", P + Q, len(P))  # shares P with the lead: waits
+    sibling = g.enter("w", (*P, *Q, 8), len(P + Q))  # shares P + Q with it: waits behind
+    assert other.waiting is not None and sibling.waiting is not None
+    tasks = [asyncio.create_task(g.wait(w)) for w in (other, sibling)]
+    await settle()
+    g.enter("w", tuple(range(900, 925)), 0)  # 25 blocks arrive: over a batch with Q's 10
+    g.first_byte(lead)  # P is cached; the other goes and, the queue deep, its sibling too
+    await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+    assert g.stats.handed == 2 and g.stats.timed_out == 0
+    g.forget_worker("w")
+
+
+async def test_waiters_stay_at_a_release_while_the_queue_is_within_a_batch() -> None:
+    g = PrefillGate(Index(), 5.0, batch_blocks=lambda worker_id: 30)
+    lead = g.enter("w", (*P, 7), 0)
+    other = g.enter("w", P + Q, len(P))
+    sibling = g.enter("w", (*P, *Q, 8), len(P + Q))
+    tasks = [asyncio.create_task(g.wait(w)) for w in (other, sibling)]
+    await settle()
+    g.enter("w", tuple(range(900, 915)), 0)  # 15 blocks: 25 queued with Q's 10
+    g.first_byte(lead)
+    await asyncio.wait_for(tasks[0], 1.0)
+    await settle()
+    assert not tasks[1].done()  # it waits for the other's first byte
+    g.forget_worker("w")
+    await asyncio.wait_for(tasks[1], 1.0)
