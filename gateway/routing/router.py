@@ -424,6 +424,7 @@ class Router:
         room = pd_rules.new_room(pw.dp_rank, len(pw.server.ranks))  # a DP rank's own room
         port = pw.bootstrap_port or pw.metadata.bootstrap_port
         plea = self.core.dispatch(req, choice, self.registry.clock(), call.exact)
+        decode.views = []  # never dispatched: nothing per candidate outlives the decision
         dlea = Lease(dw, 0)  # a decode server computes no prompt: no prefill tokens
         record.index_mode = choice.index_mode
         extra = {
