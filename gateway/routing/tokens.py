@@ -34,7 +34,9 @@ Contract:
   in the characters: they lower the ratio a little, which is what routing wants (it sizes
   what the engine caches, template included).
 
-Cost: O(1) per observation and per estimate; one small record per model and per worker.
+Cost: O(1) per observation; per estimate O(1) but after an observation of its model
+(the median over that model's workers, O(w log w) in C, computed then kept until the
+next observation); one small record per model and per worker.
 """
 
 from __future__ import annotations
@@ -101,10 +103,23 @@ class TokenAccounting:
         self._models: dict[str, dict[str, CharsPerToken]] = {}  # model -> worker -> estimate
         self._workers: dict[str, CharsPerToken] = {}
         self._handed: dict[str, float] = {}  # worker -> chars per token last handed out
+        # per model, its workers' estimates as numbers (updated at each observation), and
+        # the median of them last computed (dropped when an observation changes one):
+        # the median over every worker per request was 0.2-0.3 ms at 256 workers
+        # (BENCHMARKS.md, "Scale")
+        self._values: dict[str, dict[str, float]] = {}
+        self._medians: dict[str, float] = {}
 
     def chars_per_token(self, model: str | None) -> float:
-        table = self._models.get(model or _ANY_MODEL) or self._models.get(_ANY_MODEL)
-        return self.prior if not table else statistics.median(e.value for e in table.values())
+        key = model or _ANY_MODEL
+        if key not in self._models:
+            key = _ANY_MODEL
+        ratio = self._medians.get(key)
+        if ratio is None:
+            values = self._values.get(key)
+            ratio = self.prior if not values else statistics.median(values.values())
+            self._medians[key] = ratio
+        return ratio
 
     def worker_chars_per_token(self, worker_id: str) -> float:
         est = self._workers.get(worker_id)
@@ -132,6 +147,8 @@ class TokenAccounting:
             if est is None:
                 est = table[key] = CharsPerToken.prior(self.prior)
             est.observe(chars, prompt_tokens, self._decay)
+        self._values.setdefault(model, {})[worker_id] = self._models[model][worker_id].value
+        self._medians.pop(model, None)
         self._maybe_retune(worker_id)
 
     def _maybe_retune(self, worker_id: str) -> None:
@@ -148,8 +165,10 @@ class TokenAccounting:
         self._handed.pop(worker_id, None)
         for model in list(self._models):
             self._models[model].pop(worker_id, None)
+            self._values[model].pop(worker_id, None)
             if not self._models[model]:
-                del self._models[model]
+                del self._models[model], self._values[model]
+        self._medians.clear()
 
     def describe(self) -> dict[str, Any]:
         """For ``/debug/index``: the prior and every learnt estimate."""
