@@ -33,7 +33,9 @@ Requests sharing nothing with a request in prefill or waiting are never held.
 (``held_blocks``, taken before this request is recorded) counts the blocks of requests
 still in prefill or waiting as held. When that match does not reach beyond ``busy``, ``held`` is
 instead what the sharing requests found held at their own dispatch (each pass keeps it,
-raised at every first byte of a request sharing its prefix), capped by the match.
+raised at every first byte of a request sharing its prefix), capped by the match; a
+request that entered behind more than a batch is not compared with the others (no wait is
+worth it then: this keeps a burst's bookkeeping O(1) per request) and does not count here.
 
 Order and bounds:
 - At a first byte, the waiters are re-examined oldest first: a waiter goes when waiting
@@ -84,12 +86,24 @@ class Pass:
     waiting: asyncio.Future[None] | None = None  # set while held
     max_wait_s: float = 0.0  # this request's bound
     waited_s: float = 0.0
+    # False: entered behind over a batch, not compared with the requests there, so its
+    # ``held`` is the index's match, which may count blocks only they brought
+    compared: bool = True
 
 
 @dataclass(slots=True)
 class _Worker:
-    prefill: list[Pass] = field(default_factory=list)
+    prefill: dict[Pass, None] = field(default_factory=dict)  # in dispatch order
     waiting: deque[Pass] = field(default_factory=deque)
+    queued: int = 0  # blocks not held of the requests in prefill
+
+    def add(self, p: Pass) -> None:
+        self.prefill[p] = None
+        self.queued += len(p.chain) - p.held
+
+    def drop(self, p: Pass) -> None:
+        del self.prefill[p]
+        self.queued -= len(p.chain) - p.held
 
 
 _FREE = Pass("", (), 0, _DONE)  # for requests the gate does not track
@@ -141,12 +155,19 @@ class PrefillGate:
         if state is None:
             state = self._workers[worker_id] = _Worker()
         p = Pass(worker_id, tuple(chain), held_blocks)
-        ahead = (*state.prefill, *state.waiting)  # the index counts waiters' blocks too
-        sharers = [(c, t) for t in ahead if (c := common_prefix(t.chain, p.chain))]
+        # over a batch queued, no wait is worth it (``_worth``): no need to look
+        if state.queued > self._batch_blocks(worker_id):
+            sharers = []
+            p.compared = False
+        else:  # the index counts waiters' blocks too
+            ahead = (*state.prefill, *state.waiting)
+            sharers = [(c, t) for t in ahead if (c := common_prefix(t.chain, p.chain))]
         if sharers:
             busy, lead = max(sharers, key=lambda s: s[0])
             if held_blocks <= busy:  # the match may count blocks only they brought
-                p.held = min(held_blocks, max(min(c, t.held) for c, t in sharers))
+                p.held = min(
+                    held_blocks, max((min(c, t.held) for c, t in sharers if t.compared), default=0)
+                )
             gain = busy - p.held
             if self._worth(state, p, busy, lead, worker_id):
                 p.max_wait_s = self._bound(worker_id, gain)
@@ -156,7 +177,7 @@ class PrefillGate:
             state.waiting.append(p)
             self.stats.held += 1
         else:
-            state.prefill.append(p)
+            state.add(p)
         return p
 
     async def wait(self, p: Pass) -> float:
@@ -190,9 +211,16 @@ class PrefillGate:
         p.phase = _DONE
         if state is None:
             return
-        state.prefill.remove(p)
-        for t in (*state.prefill, *state.waiting):
-            t.held = max(t.held, common_prefix(t.chain, p.chain))
+        state.drop(p)
+        chain = p.chain
+        for t in state.prefill:  # a sharer beyond what it holds shares its next block
+            if t.held < len(chain) and t.held < len(t.chain) and t.chain[t.held] == chain[t.held]:
+                more = common_prefix(t.chain, chain) - t.held
+                if more > 0:
+                    t.held += more
+                    state.queued -= more
+        for t in state.waiting:
+            t.held = max(t.held, common_prefix(t.chain, chain))
         self._release(state)
         self._drop_if_idle(p.worker_id, state)
 
@@ -208,7 +236,7 @@ class PrefillGate:
             if p in state.waiting:
                 state.waiting.remove(p)
         elif p in state.prefill:  # ended before its first byte: nothing was cached
-            state.prefill.remove(p)
+            state.drop(p)
             self._release(state)
         self._drop_if_idle(p.worker_id, state)
 
@@ -242,8 +270,7 @@ class PrefillGate:
         gain = busy - p.held
         if gain < self._least(p) or 2 * gain < len(lead.chain) - lead.held:
             return False
-        queued = sum(len(t.chain) - t.held for t in state.prefill)
-        return queued <= self._batch_blocks(worker_id)
+        return state.queued <= self._batch_blocks(worker_id)
 
     def _bound(self, worker_id: str, gain_blocks: int) -> float:
         estimate = self._prefill_s(worker_id, gain_blocks)
@@ -272,7 +299,7 @@ class PrefillGate:
 
     def _go(self, state: _Worker, p: Pass) -> None:
         p.phase = _PREFILL
-        state.prefill.append(p)
+        state.add(p)
 
     def _drop_if_idle(self, worker_id: str, state: _Worker) -> None:
         if not state.prefill and not state.waiting and self._workers.get(worker_id) is state:

@@ -230,3 +230,13 @@ async def test_waiters_stay_at_a_release_while_the_queue_is_within_a_batch() -> 
     assert not tasks[1].done()  # it waits for the other's first byte
     g.forget_worker("w")
     await asyncio.wait_for(tasks[1], 1.0)
+
+
+async def test_the_queue_shrinks_at_first_bytes_and_siblings_are_held_again() -> None:
+    g = PrefillGate(Index(), 5.0, batch_blocks=lambda worker_id: 30)
+    other = g.enter("w", tuple(range(900, 920)), 0)  # 20 blocks
+    g.enter("w", P, 0)  # 40 queued: over a batch
+    assert g.enter("w", P, len(P)).waiting is None  # prefilled after P's first: a hit
+    g.first_byte(other)  # 20 queued (P) + 0 (its sibling, P held now)
+    assert g.enter("w", P, len(P)).waiting is not None
+    g.forget_worker("w")
