@@ -155,6 +155,12 @@ class PolicyConfig:
     # by `name` (arm A); per-arm figures with confidence intervals at /debug/ab.
     ab_policy: str | None = None
     ab_fraction: float = 0.0
+    # Candidate shortlist of a large fleet (gateway/routing/decide.py, Shortlist): above
+    # this many candidates, cache_aware and min_ttft see only the best prefix matchers,
+    # the `shortlist_least_loaded` least loaded (in flight; queued prefill) and the most
+    # loaded; 0 = never. Top-level only (one routing core).
+    shortlist_above: int = 64
+    shortlist_least_loaded: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -983,6 +989,13 @@ def _validate_policy(p: PolicyConfig, where: str = "policy") -> None:
             raise ConfigError(f"{key}: {exc}") from None
         _check(name in names, key, f"unknown policy; choose one of {', '.join(names)}", spec)
     _check(0.0 <= p.ab_fraction <= 1.0, f"{where}.ab_fraction", "must be in 0..1", p.ab_fraction)
+    _check(p.shortlist_above >= 0, f"{where}.shortlist_above", "must be ≥ 0", p.shortlist_above)
+    _check(
+        p.shortlist_least_loaded >= 1,
+        f"{where}.shortlist_least_loaded",
+        "must be ≥ 1",
+        p.shortlist_least_loaded,
+    )
     _check(
         p.ab_fraction == 0.0 or p.ab_policy is not None,
         f"{where}.ab_fraction",

@@ -38,6 +38,30 @@ Contract:
   cost model. Health feedback (outlier detection) stays with the live router: it is
   about transport outcomes the replay does not model.
 
+Candidate shortlist (large fleets, issue 22; :class:`Shortlist`): above
+``Shortlist.above`` candidates (``policy.shortlist_above``, 64; 0 = never), for a policy
+whose cross-candidate reads were checked (``cache_aware``, ``min_ttft``: ``SHORTLISTED``;
+never one that pins by routing key, whose pin only the policy knows, nor with a shadow
+or arm outside that set), views are built and the policy called for a shortlist only:
+every candidate whose match is at least ``match_fraction`` of the longest on any
+candidate (the index's and exact mode's figures, before any view; at most
+``max_matchers`` of them, the longest matches first, then the least loaded), the
+``least_loaded`` candidates with the fewest requests in flight (the views' ``in_flight``:
+this gateway's and its peers') and as many with the least queued prefill (the larger of
+the gateway's count and the engine's ``waiting_uncached_tokens``), and the one with the
+most in flight; ties are taken from a point that moves by one each decision, so equal
+workers take turns. In fleet order. Which one the policy picks: the same as over every
+candidate when its pick is in the shortlist and the figures it reads across candidates
+are those of the fleet: ``cache_aware``'s (the longest match and its holders up to
+``max_matchers``, the lowest and highest load) are; ``min_ttft``'s load cap (the mean in
+flight), fair share (1 / candidates) and share memory (only the offered candidates' shares
+decay) are the shortlist's, not the fleet's, until the policy reads fleet-wide figures
+(not done: measured in BENCHMARKS.md, "Scale"). Random ties among more equally loaded
+workers than the shortlist holds fall among those it holds. ``Choice.left_out`` counts
+the candidates left out (the decision record's candidates are the shortlist's); routing
+capture's *available* is unchanged (the longest match is always in the shortlist). At or
+below the threshold nothing changes.
+
 Cost: one index match (O(w log n)) and one policy call per decision; nothing allocated
 per candidate beyond its view, and nothing per candidate outlives the decision: the
 views are dropped at dispatch (``Choice.views``), once the decision record (made
@@ -46,6 +70,7 @@ between ``choose`` and ``dispatch``, live and in the benches) has copied what it
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import random
@@ -63,6 +88,32 @@ from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView
 
 log = logging.getLogger(__name__)
 _MATCHED = operator.attrgetter("matched_tokens")
+_ID = operator.attrgetter("id")
+_IN_FLIGHT = operator.attrgetter("in_flight")
+_PEER_IN_FLIGHT = operator.attrgetter("peer_in_flight")
+_QUEUED = operator.attrgetter("queued_prefill_tokens")
+_PEER_QUEUED = operator.attrgetter("peer_queued_prefill_tokens")
+_ENGINE = operator.attrgetter("engine_load")
+
+# Policies whose reads across the candidates were checked for the shortlist (module
+# contract, "Candidate shortlist"); any other sees every candidate.
+SHORTLISTED: frozenset[str] = frozenset({"cache_aware", "min_ttft"})
+
+
+@dataclass(frozen=True, slots=True)
+class Shortlist:
+    """Which candidates a policy sees in a large fleet (module contract)."""
+
+    above: int = 64  # shortlist only above this many candidates; 0 = never
+    least_loaded: int = 16  # the fewest in flight, and as many with the least queued
+    match_fraction: float = 0.5  # of the longest match: a match kept from this length
+    max_matchers: int = 32  # at most this many matching candidates (0: every one)
+
+    def __post_init__(self) -> None:
+        if self.above < 0 or self.least_loaded < 1 or self.max_matchers < 0:
+            raise ValueError("shortlist: above and max_matchers >= 0, least_loaded >= 1")
+        if not 0.0 < self.match_fraction <= 1.0:
+            raise ValueError("shortlist: match_fraction must be within (0, 1]")
 
 
 class PrefixMatcher(Protocol):
@@ -161,6 +212,8 @@ class Choice:
     # the approximate index's host part of ``predicted_blocks`` (None: the match on
     # ``worker`` came from exact mode's events, or the core reads no tiers)
     predicted_host_blocks: int | None = None
+    # candidates left out of ``views`` by the shortlist (module contract; 0: none)
+    left_out: int = 0
 
 
 TtftEstimate = Callable[[WorkerView, int], float]  # (view, prompt tokens) -> seconds
@@ -193,6 +246,9 @@ class RoutingCore:
         # set by the owner when drains re-home chains / joining workers ramp (None: off)
         self.chains: ChainRecorder | None = None
         self.gate: CandidateGate | None = None
+        # large fleets: the candidates a policy sees (set by the owner from the config)
+        self.shortlist = Shortlist()
+        self._turn = 0  # where the shortlist's ties start, moved by one per shortlist
         self.shadow_failures: dict[str, int] = {}  # shadow policy -> selects that raised
 
     def configure(self, policies: PolicySet) -> None:
@@ -233,12 +289,24 @@ class RoutingCore:
         if indexed:
             matches = self.index.match(req.block_hashes)
         exact_tokens = exact.match([w.id for w in workers]) if exact is not None else {}
-        views = self._views(req, workers, now, matches, exact_tokens, setup)
+        arm, policy = policies.arm(req)
+        tokens = self._tokens(req, matches, exact_tokens)
+        left_out = 0
+        above = self.shortlist.above
+        if above and len(workers) > above and self._shortlists(policies, policy):
+            shortlisted = self._shortlist(workers, tokens)
+            left_out = len(workers) - len(shortlisted)
+            workers = shortlisted
+        views = views_of(workers, now, tokens, self.costs.cost, self.index.free_sequences, setup)
         host_blocks: dict[str, int] = {}
         if exact_tokens or (matches and self.tiers is not None):
+            if left_out:  # the host parts of the shortlist's matches only
+                kept = set(map(_ID, workers))
+                matches = {k: v for k, v in matches.items() if k in kept}
             views = self._tiers(req, views, matches, exact, exact_tokens, host_blocks)
-        arm, policy = policies.arm(req)
-        every = views  # routing capture's available is over every candidate
+        # routing capture's available is over every candidate (the shortlist holds the
+        # longest match)
+        every = views
         if self.gate is not None:  # slow start: the candidates the policy sees
             views = list(self.gate.admit(views, now, self.rng))
         decision = self._select(req, views, policy, self.rng)
@@ -248,6 +316,7 @@ class RoutingCore:
         choice = Choice(
             worker, decision, views, matches.get(worker.id, 0), matched, indexed, policy, arm
         )
+        choice.left_out = left_out
         if (exact_tokens or host_blocks) and view is not None:
             choice.matched_host_tokens = view.matched_host_tokens
         if indexed and self.tiers is not None and worker.id not in exact_tokens:
@@ -258,18 +327,14 @@ class RoutingCore:
             self._shadows(req, choice, policies)
         return choice
 
-    def _views(
+    def _tokens(
         self,
         req: RouteRequest,
-        workers: Sequence[Worker],
-        now: float,
         matches: Mapping[str, int],
         exact_tokens: Mapping[str, int],
-        setup: Mapping[str, float],
-    ) -> list[WorkerView]:
-        """One view per worker, in order, with its matched tokens: exact mode's where it
-        has them, else the approximate index's blocks in tokens. The hot loop of a large
-        fleet: per candidate only dict lookups and the view; the tokens of a block count
+    ) -> dict[str, int]:
+        """Matched tokens per worker id (candidates or not): exact mode's where it has
+        them, else the approximate index's blocks in tokens; the tokens of a block count
         are computed once per distinct count (most holders match the same shared prefix)."""
         tokens: dict[str, int] = {}
         if matches:
@@ -281,7 +346,50 @@ class RoutingCore:
                 tokens[wid] = t
         if exact_tokens:
             tokens.update(exact_tokens)  # exact mode's wins where it has a figure
-        return views_of(workers, now, tokens, self.costs.cost, self.index.free_sequences, setup)
+        return tokens
+
+    def _shortlists(self, policies: PolicySet, policy: Policy) -> bool:
+        """Whether the policy (and every shadow that sees the same views) may be given
+        a shortlist (module contract)."""
+        return all(
+            p.name in SHORTLISTED and not p.uses_routing_key for p in (policy, *policies.shadows)
+        )
+
+    def _shortlist(self, workers: Sequence[Worker], tokens: Mapping[str, int]) -> list[Worker]:
+        """The candidates a policy sees in a large fleet, in fleet order (module
+        contract). Per candidate only counters and a dict lookup, no view; the picks are
+        C-level sorts over index lists."""
+        n = len(workers)
+        settings = self.shortlist
+        k = settings.least_loaded
+        matched = list(map(tokens.get, map(_ID, workers), itertools.repeat(0)))
+        loads = list(map(operator.add, map(_IN_FLIGHT, workers), map(_PEER_IN_FLIGHT, workers)))
+        queued = list(map(operator.add, map(_QUEUED, workers), map(_PEER_QUEUED, workers)))
+        # the engine's queued prefill where it reports more than the gateway counts
+        reported = [
+            0 if e is None else e.waiting_uncached_tokens or 0 for e in map(_ENGINE, workers)
+        ]
+        queued = list(map(max, queued, reported))
+        # ties start at a point moving by one per shortlist: equal workers take turns
+        start = self._turn % n
+        self._turn += 1
+        order = [*range(start, n), *range(start)]
+        keep = set(sorted(order, key=loads.__getitem__)[:k])
+        keep.update(sorted(order, key=queued.__getitem__)[:k])
+        keep.add(max(range(n), key=loads.__getitem__))  # the highest load (imbalance)
+        best = max(matched)
+        if best > 0:
+            floor = settings.match_fraction * best
+            holders = list(
+                itertools.compress(order, map(floor.__le__, map(matched.__getitem__, order)))
+            )
+            cap = settings.max_matchers
+            if cap and len(holders) > cap:  # the longest first, then the least loaded
+                holders.sort(key=loads.__getitem__)
+                holders.sort(key=matched.__getitem__, reverse=True)
+                del holders[cap:]
+            keep.update(holders)
+        return [workers[i] for i in sorted(keep)]
 
     def _tiers(
         self,

@@ -33,7 +33,10 @@ its feedback, before each new decision), so the leases, pins and load counts are
 a busy gateway.
 
 ``--profile POLICY`` runs cProfile over that policy's decisions at the largest fleet and
-prints the top functions by internal time. ``--phases`` prints, per cell, the mean CPU
+prints the top functions by internal time. ``--shortlist-above N`` (default the
+routing core's, 64; 0: never) and ``--shortlist-least-loaded K``: the candidate shortlist
+(``gateway.routing.decide.Shortlist``); printed: the mean number of
+candidates the policy saw (a line per cell). ``--phases`` prints, per cell, the mean CPU
 time of each phase (estimate, candidates, choose, record, dispatch; a clock read between
 phases, so the cells' own figures grow by about a microsecond).
 
@@ -61,7 +64,7 @@ from dataclasses import dataclass
 
 from gateway.app import ttft_estimate
 from gateway.routing.cost_model import CostModel
-from gateway.routing.decide import Choice, RoutingCore
+from gateway.routing.decide import Choice, RoutingCore, Shortlist
 from gateway.routing.decisions import DecisionLog, DecisionRecord
 from gateway.routing.lease import Lease
 from gateway.routing.prefix_index import PrefixIndex
@@ -179,7 +182,14 @@ class _Report:
 class Decider:
     """The router's decision phases, in its order, over one fleet and policy."""
 
-    def __init__(self, fleet: Fleet, policy: str, seed: int, in_flight_per_worker: int) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: str,
+        seed: int,
+        in_flight_per_worker: int,
+        shortlist: Shortlist | None = None,
+    ) -> None:
         self.fleet = fleet
         self.core = RoutingCore(
             create_policy(policy),
@@ -189,6 +199,9 @@ class Decider:
             fleet.tokens,
             ttft_estimate(),
         )
+        if shortlist is not None:
+            self.core.shortlist = shortlist
+        self.left_out = 0  # candidates the shortlist left out, over the timed decisions
         self.log = DecisionLog()
         self.outstanding: deque[tuple[RouteRequest, Choice, Lease]] = deque()
         self.limit = in_flight_per_worker * len(fleet.workers)
@@ -267,6 +280,7 @@ class Decider:
             if timed:
                 walls.append(w1 - w0)
                 cpus.append(c1 - c0)
+                self.left_out += outcome[1].left_out
         return walls, cpus
 
 
@@ -313,6 +327,7 @@ class Row:
     longest_gc_ms: float  # longest collection (any generation)
     tracked_k: float  # objects the collector tracks after them, thousands
     full_gc_cpu_ms: float  # CPU time of one full collection forced then
+    seen: float  # mean candidates the policy saw (all of them without a shortlist)
 
 
 def _pct(sorted_ns: Sequence[int], q: float) -> float:
@@ -325,7 +340,8 @@ def measure(
     args: argparse.Namespace,
     profile: bool = False,
 ) -> Row:
-    decider = Decider(fleet, policy, args.seed, args.in_flight)
+    shortlist = Shortlist(args.shortlist_above, args.shortlist_least_loaded)
+    decider = Decider(fleet, policy, args.seed, args.in_flight, shortlist)
     sample = make_requests(fleet, 300, args.system_prompts, args.seed + 3)
     holders = statistics.fmean(len(fleet.index.match(r.block_hashes)) for r in sample)
     decider.run(make_requests(fleet, args.warmup, args.system_prompts, args.seed + 1), False)
@@ -335,6 +351,8 @@ def measure(
         decider.phases = {}
     with GcPauses() as pauses:
         walls, cpus = decider.run(timed, True, profiler)
+    seen = len(fleet.workers) - decider.left_out / len(cpus)
+    print(f"# {len(fleet.workers)} workers, {policy}: candidates the policy saw (mean) {seen:.1f}")
     if decider.phases is not None:
         means = ", ".join(f"{k} {v / 1e3 / len(cpus):,.0f}" for k, v in decider.phases.items())
         print(f"# {len(fleet.workers)} workers, {policy}: mean CPU µs per phase: {means}")
@@ -364,6 +382,7 @@ def measure(
         pauses.longest_s * 1e3,
         tracked / 1e3,
         full_gc_cpu_s * 1e3,
+        seen,
     )
 
 
@@ -380,6 +399,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="POLICY", help="cProfile it at the largest fleet")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before building")
     parser.add_argument("--phases", action="store_true", help="mean CPU time of each phase")
+    default = Shortlist()
+    parser.add_argument(
+        "--shortlist-above",
+        type=int,
+        default=default.above,
+        help="candidate shortlist above this many workers (0: never; RoutingCore.shortlist)",
+    )
+    parser.add_argument("--shortlist-least-loaded", type=int, default=default.least_loaded)
     args = parser.parse_args(argv)
     if args.gc_freeze:
         gc.collect()
@@ -422,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         f"before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} "
         f"({os.cpu_count()} cores, shared)"
         + ("; gc.freeze() before building" if args.gc_freeze else "")
+        + (
+            f"; shortlist above {args.shortlist_above} workers "
+            f"({args.shortlist_least_loaded} least loaded)"
+            if args.shortlist_above
+            else "; no shortlist"
+        )
     )
     if args.gc_freeze:
         gc.unfreeze()
