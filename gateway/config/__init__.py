@@ -180,10 +180,11 @@ class PrefixIndexConfig:
     # is in prefill there, so that it goes after that prompt is cached and hits (fcfs
     # prefills same-step siblings together, each computing the prefix); 0 = never hold
     # (gateway/routing/prefill_gate.py). Once the worker's prefill cost is calibrated, at
-    # most about the prefill time the wait saves. Off by default: live it lifted GRPO
-    # rollouts' cached fraction from .25 to .89 but cut generated-shared-prefix's from .67
-    # to .40 (BENCHMARKS.md, "Prefill gate (live rollouts)"); 2.0 for rollout fleets.
-    prefill_wait_s: float = 0.0
+    # most about the prefill time the wait saves; only while the worker's queued prefill
+    # is within one batch and the wait saves at least half of what the sibling computes.
+    # Live: GRPO rollouts' cached fraction .30 -> .89 with lower TTFT; neutral on a
+    # shared-prefix burst and on multi-turn (BENCHMARKS.md, "Prefill gate").
+    prefill_wait_s: float = 2.0
     # Per worker, the chains (ordered block lists of prompts) dispatched there lately and
     # when each was last used, so a drain can re-home them (gateway/routing/rehome.py):
     # at most this many (a conversation's turns are one), and no more blocks than twice
