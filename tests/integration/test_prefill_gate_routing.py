@@ -2,7 +2,7 @@
 eight rollout siblings sent at once go to one worker; the first computes the prompt, the
 seven others are held until its first byte and then hit the whole prompt. With the gate
 off they reach the worker together and are prefilled in one batch, before anything is
-cached."""
+cached. Behind more than a prefill batch queued, siblings are not held: they hit anyway."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ PROMPT = " ".join(f"step{i}" for i in range(1200))  # one rollout prompt, ~2,600
 N = 8
 
 
-def rollout() -> dict[str, Any]:
+def rollout(prompt: str = PROMPT) -> dict[str, Any]:
     return {
         "model": "m",
-        "messages": [{"role": "user", "content": PROMPT}],
+        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": 8,
         "ignore_eos": True,
         "stream": True,
@@ -31,9 +31,9 @@ def rollout() -> dict[str, Any]:
     }
 
 
-async def send(client: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+async def send(client: aiohttp.ClientSession, url: str, prompt: str = PROMPT) -> tuple[int, int]:
     """One streamed sibling: (prompt tokens, cached tokens) from its usage chunk."""
-    async with client.post(url + "/v1/chat/completions", json=rollout()) as resp:
+    async with client.post(url + "/v1/chat/completions", json=rollout(prompt)) as resp:
         assert resp.status == 200, await resp.text()
         usage: dict[str, Any] = {}
         async for line in resp.content:
@@ -77,3 +77,30 @@ async def test_rollout_siblings_wait_for_the_first_prefill_and_hit(
         assert counts == {"held": 0, "released": 0, "timed_out": 0}
         assert all(r.slot_wait_s is None for r in records)
         assert sum(c >= prompt - 64 for c in hits) < N - 1, hits  # computed together
+
+
+async def test_siblings_behind_more_than_a_prefill_batch_go_at_once_and_hit(
+    client: aiohttp.ClientSession,
+) -> None:
+    """Eight different prompts (~21,000 tokens, over SGLang's 16,384-token prefill batch)
+    queued on one worker, then three siblings of the first: sent at once, they are
+    prefilled in a later batch than the first, after it is cached, so they hit without
+    being held (held, they would have gone behind everything sent meanwhile)."""
+    prompts = [" ".join(f"p{k}w{i}" for i in range(1200)) for k in range(8)]
+    async with (
+        await SimulatedFleet.start(1, SimConfig(speed=0.25)) as fleet,
+        run_gateway(fleet.urls, policy__name="min_ttft", prefix_index__prefill_wait_s=5.0) as gw,
+    ):
+        first = [asyncio.create_task(send(client, gw.url, p)) for p in prompts]
+        (worker,) = gw.registry.targets()
+        for _ in range(2000):  # until all eight are dispatched (their prefill takes ~2 s)
+            if len(gw.router.decisions.latest(8)) == 8:
+                break
+            await asyncio.sleep(0.005)
+        assert worker.queued_prefill_tokens > 16384
+        siblings = await asyncio.gather(*(send(client, gw.url, prompts[0]) for _ in range(3)))
+        await asyncio.gather(*first)
+        async with client.get(gw.url + "/metrics") as resp:
+            counts = gate_counts(await resp.text())
+    assert counts["held"] == 0
+    assert all(cached >= prompt - 64 for prompt, cached in siblings), siblings
