@@ -58,7 +58,20 @@ Then:
      least ``full_usage`` (0.9) full is skipped whatever its share and whatever it
      holds: its queue waits for running requests to end, which the estimate does not
      see (llm-d's tenant workload: a worker holding 22 tenants against 16 elsewhere
-     filled its KV and its requests waited 3-10 s while the estimate said 0.1-1.5 s).
+     filled its KV and its requests waited 3-10 s while the estimate said 0.1-1.5 s);
+   - a worker starves when its share is below ``starve_share`` (0.5) x fair while its
+     in flight is below an even load (``max(ceil((total in flight + 1) / n),
+     load_cap_floor)``). While one does, any worker above an even load *and* above the
+     fair share 1/n is hot, crowded or not, unless it holds this request's private
+     prefix or the whole prompt. The plain line 1/n + ``hot_margin`` only stops a
+     collapse onto one worker: k workers holding a system prompt every new session
+     shares each take 1/k of the decisions, under the line for k >= 4 of 8, and the
+     near-tie band gives them every new session (the prompt is not private, so step 2
+     does not apply) while the rest never get a request (the multi-turn drain replay,
+     BENCHMARKS.md "min_ttft: no idle worker": 4 of 8 workers served all requests for
+     the first 300 s; one worker none in 40 minutes). Then new sessions go to the
+     starving worker, which then holds the system prompt and competes as the others;
+     conversations stay home. 0 turns the rule off.
 2. Exploit (after Preble's E2 rule, with load in time units): let ``private`` be the
    part of the longest match that no other remaining candidate holds (longest match
    minus the best match on any other candidate: 0 when two or more hold the longest).
@@ -242,6 +255,7 @@ class MinTtftPolicy(Policy):
         private_hot_margin: float = 0.3,
         sibling_tokens: int = 32,
         full_usage: float = 0.9,
+        starve_share: float = 0.5,
         host_load_per_token_s: float = DEFAULT_HOST_LOAD_PER_TOKEN_S,
         host_load_fixed_s: float = DEFAULT_HOST_LOAD_FIXED_S,
     ) -> None:
@@ -252,7 +266,7 @@ class MinTtftPolicy(Policy):
         self._host_per_token, self._host_fixed = host
         numbers = (work_weight, tolerance_s, tolerance_rel, load_factor, decode_request_s,
                    hot_margin, exploit_ratio, affinity_factor, affinity_s,
-                   affinity_max_s, private_hot_margin, full_usage)  # fmt: skip
+                   affinity_max_s, private_hot_margin, full_usage, starve_share)  # fmt: skip
         if not all(math.isfinite(x) for x in numbers):
             raise ValueError("every parameter must be a finite number")
         if not all(isinstance(x, int) for x in (load_cap_floor, share_window, sibling_tokens)):
@@ -265,6 +279,9 @@ class MinTtftPolicy(Policy):
             raise ValueError("hot margins must be >= 0 and share_window >= 1")
         if sibling_tokens < 0 or full_usage <= 0:
             raise ValueError("sibling_tokens must be >= 0 and full_usage > 0")
+        if not 0 <= starve_share < 1:
+            raise ValueError("starve_share must be in [0, 1)")
+        self._starve_share = starve_share  # 0: off
         self._work_weight = work_weight
         self._tolerance_s = tolerance_s
         self._tolerance_rel = tolerance_rel
@@ -422,19 +439,40 @@ class MinTtftPolicy(Policy):
         fair = 1.0 / n
         hot = fair + self._hot_margin
         siblings = self._sibling_tokens
+        shares = self._shares
+        # the starving-worker rule's line: an even share of the requests in flight
+        even = max(math.ceil(total / n), self._load_cap_floor)
+        starving: bool | None = None  # found when first needed: most decisions need not
         eligible = []
         for w in candidates:
-            if w.in_flight + 1 <= cap:
-                eligible.append(w)  # not crowded
-            elif self._memory_bound(w):
+            load = w.in_flight + 1
+            crowded = load > cap
+            if not crowded and load <= even:
+                eligible.append(w)  # not above an even load
+            elif crowded and self._memory_bound(w):
                 continue  # crowded and queueing for KV: skipped whatever it holds
             elif w.matched_tokens > 0 and prompt_tokens - w.matched_tokens <= siblings:
                 eligible.append(w)  # holds the whole prompt: a sibling adds no prefill there
-            elif self._shares.get(w.id, fair) <= (
-                fair + self._private_hot_margin if w is private else hot
-            ):
-                eligible.append(w)
+            elif w is private:
+                if not crowded or shares.get(w.id, fair) <= fair + self._private_hot_margin:
+                    eligible.append(w)
+            else:
+                share = shares.get(w.id, fair)
+                if fair < share <= hot or (not crowded and share > fair):
+                    if starving is None:
+                        starving = self._starving(candidates, even, fair)
+                    if starving:
+                        continue  # above an even load and share while a worker starves
+                if not crowded or share <= hot:
+                    eligible.append(w)
         return eligible or list(candidates)
+
+    def _starving(self, candidates: Sequence[WorkerView], even: int, fair: float) -> bool:
+        """Is a candidate at most at an even load (``even``) left below ``starve_share``
+        x the even share ``fair`` of the recent decisions? (Rule 1's starving worker.)"""
+        floor = self._starve_share * fair
+        shares = self._shares
+        return any(w.in_flight < even and shares.get(w.id, fair) < floor for w in candidates)
 
     def _memory_bound(self, worker: WorkerView) -> bool:
         """The engine's last poll showed requests waiting while its KV was ``full_usage``
@@ -488,6 +526,7 @@ class MinTtftPolicy(Policy):
             "private_hot_margin": self._private_hot_margin,
             "sibling_tokens": self._sibling_tokens,
             "full_usage": self._full_usage,
+            "starve_share": self._starve_share,
             "host_load_per_token_s": self._host_per_token,
             "host_load_fixed_s": self._host_fixed,
         }

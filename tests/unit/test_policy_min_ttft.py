@@ -509,3 +509,37 @@ def test_grpo_groups_arriving_at_once_stay_whole_and_spread() -> None:
     assert all(len(workers) == 1 for workers in placed.values()), placed
     per_worker = Counter(next(iter(workers)) for workers in placed.values())
     assert sorted(per_worker.values()) == [2] * 8, per_worker
+
+
+def test_no_worker_starves_behind_the_holders_of_a_shared_prompt() -> None:
+    """8 workers, every prompt a 2,048-token shared system prompt + 512 tokens of its own,
+    ~100 in flight: once four workers hold the system prompt, each takes about a quarter
+    of the decisions (below the hot line 1/8 + 0.15) and, without the starving-worker
+    rule, the other four never get a request (600 of 600 on four workers)."""
+    requests = [(0, 2048, 2048 + 512)] * 600
+    counts, misses = run(create_policy("min_ttft"), 8, requests, interval_s=0.01, decode_s=1.0)
+    assert len(counts) == 8, counts
+    assert min(counts.values()) >= 0.5 * 600 / 8, counts
+    assert misses <= 8  # one system prompt prefill per worker: replicated, not scattered
+    off, _ = run(create_policy("min_ttft", starve_share=0.0), 8, requests, 0.01, 1.0)
+    assert len(off) == 4, off  # the rule off: four workers idle
+
+
+def test_a_starving_worker_takes_a_shared_prefix_request_not_a_private_one() -> None:
+    """Four holders of a shared prefix above an even load and share, one worker that took
+    nothing: a request whose match is the shared prefix goes to the starving worker; a
+    continuing conversation (its history private to one holder) stays home."""
+    policy = create_policy("min_ttft")
+    holders = [f"h{i}" for i in range(4)]
+    for i in range(64):  # the holders took every recent decision, a quarter each
+        views = [WorkerView(h, matched_tokens=2048) for h in holders] + [WorkerView("idle")]
+        policy.select(ctx([*views[:4], views[4]], seed=i))
+    loaded = [WorkerView(h, in_flight=8, decoding_requests=8, matched_tokens=2048) for h in holders]
+    idle = WorkerView("idle")
+    assert policy.select(ctx([*loaded, idle])).worker_id == "idle"
+    home = dataclasses.replace(loaded[0], matched_tokens=4000)
+    history = policy.select(ctx([home, *loaded[1:], idle], prompt=4500))
+    assert history.worker_id == "h0"
+    assert policy.describe()["starve_share"] == 0.5
+    with pytest.raises(ValueError):
+        create_policy("min_ttft", starve_share=1.0)
