@@ -422,25 +422,28 @@ async def _relay_sse(
                     if isinstance(exc, TimeoutError)
                     else (502, "the worker failed mid-stream")
                 )
-                await _client_write(response, response.write(stream_error_event(code, message)))
+                await _write(response, stream_error_event(code, message), watch, loop)
             upstream.close()
         except EventTooLarge:
             outcome.failed_mid_stream = True
             upstream.close()
             message = f"an event from the worker exceeds {limits.max_event_bytes} bytes"
-            await _client_write(response, response.write(stream_error_event(502, message)))
+            await _write(response, stream_error_event(502, message), watch, loop)
+        # the body's end is watched too: write_eof always drains, so a client that stopped
+        # reading once the last events were handed to the transport (aiohttp drains a
+        # write only every 64 KiB) would hold this handler, its connection, forever
+        try:
+            await _write(response, b"", watch, loop, last=True)
+        except (asyncio.CancelledError, ClientGone):
+            if not delivered:
+                raise
+            _uncancel()  # the client had [DONE]: closing now, it lost nothing
     finally:
         watch.stop()
     outcome.cached_tokens = cached_tokens(last_usage) if last_usage else None
     outcome.prompt_tokens = prompt_tokens(last_prompt) if last_prompt else None
     outcome.output_tokens = output_tokens(last_prompt) if last_prompt else None
     outcome.cached_tiers = cached_tiers(last_details) if last_details else None
-    try:
-        await _client_write(response, response.write_eof())
-    except (asyncio.CancelledError, ClientGone):
-        if not delivered:
-            raise
-        _uncancel()  # the client had [DONE]: closing now, it lost nothing
     return response, outcome
 
 
