@@ -40,7 +40,7 @@ Contract:
 
 Candidate shortlist (large fleets, issue 22; :class:`Shortlist`): above
 ``Shortlist.above`` candidates (``policy.shortlist_above``, 64; 0 = never), for a policy
-whose cross-candidate reads were checked (``cache_aware``, ``min_ttft``: ``SHORTLISTED``;
+whose cross-candidate reads were checked (``cache_aware`` only: ``SHORTLISTED``;
 never one that pins by routing key, whose pin only the policy knows, nor with a shadow
 or arm outside that set), views are built and the policy called for a shortlist only:
 every candidate whose match is at least ``match_fraction`` of the longest on any
@@ -53,10 +53,11 @@ most in flight; ties are taken from a point that moves by one each decision, so 
 workers take turns. In fleet order. Which one the policy picks: the same as over every
 candidate when its pick is in the shortlist and the figures it reads across candidates
 are those of the fleet: ``cache_aware``'s (the longest match and its holders up to
-``max_matchers``, the lowest and highest load) are; ``min_ttft``'s load cap (the mean in
-flight), fair share (1 / candidates) and share memory (only the offered candidates' shares
-decay) are the shortlist's, not the fleet's, until the policy reads fleet-wide figures
-(not done: measured in BENCHMARKS.md, "Scale"). Random ties among more equally loaded
+``max_matchers``, the lowest and highest load) are. ``min_ttft``'s are not (its load cap
+reads the mean in flight, its fair share 1 / candidates, and only the offered
+candidates' shares decay): over a shortlist its decisions moved and its tail grew
+(BENCHMARKS.md, "Scale"), so it sees every candidate until it reads fleet-wide figures
+from the core. Random ties among more equally loaded
 workers than the shortlist holds fall among those it holds. ``Choice.left_out`` counts
 the candidates left out (the decision record's candidates are the shortlist's); routing
 capture's *available* is unchanged (the longest match is always in the shortlist). At or
@@ -97,7 +98,11 @@ _ENGINE = operator.attrgetter("engine_load")
 
 # Policies whose reads across the candidates were checked for the shortlist (module
 # contract, "Candidate shortlist"); any other sees every candidate.
-SHORTLISTED: frozenset[str] = frozenset({"cache_aware", "min_ttft"})
+# ``min_ttft`` is not: its load cap, fair share and share memory read the candidates it
+# is given, and over a shortlist its tail was 3x the full fleet's (BENCHMARKS.md,
+# "Scale": 256 workers, multi-turn x16, p99 TTFT 12.0 s against 3.6 s) until it reads
+# fleet-wide figures.
+SHORTLISTED: frozenset[str] = frozenset({"cache_aware"})
 
 
 @dataclass(frozen=True, slots=True)
