@@ -50,6 +50,14 @@ NOT_IMPLEMENTED_TYPE = {501: "invalid_request_error"}
 _HEAD_END = b"\r\n\r\n"
 
 
+def _whole_head(data: bytes) -> bool:
+    """``data``, the first piece of a request, holds its whole head (blank lines before
+    the request line are no head's end)."""
+    if data[:1] in (b"\r", b"\n"):
+        data = data.lstrip(b"\r\n")
+    return _HEAD_END in data
+
+
 def _busy_response() -> bytes:
     body = error_body(503, "the gateway has too many open connections; retry shortly")
     return _raw_response("503 Service Unavailable", body, "Retry-After: 1\r\n")
@@ -142,14 +150,17 @@ class _Guarded(asyncio.Protocol):
         waiting = self._waiting_for_request()
         # a kept-alive connection's next request begins; a head whole in its first piece
         # (the common case) met its deadline already: no timer
-        if self._timer is None and waiting and _HEAD_END not in data:
+        if self._timer is None and waiting and not _whole_head(data):
             self._start_head_deadline()
         if self._timer is not None:
-            if _HEAD_END in self._tail + data:
+            # blank lines before a request line (a server skips them) begin no head: their
+            # CRLFs must not pass for its end (the tail is empty until a head begins)
+            seen = self._tail + data if self._tail else data.lstrip(b"\r\n")
+            if _HEAD_END in seen:
                 self._timer.cancel()
                 self._timer = None
             else:
-                self._tail = (self._tail + data)[-3:]
+                self._tail = seen[-3:]
         self._inner.data_received(data)
         if self._timer is not None and waiting and not self._waiting_for_request():
             # aiohttp got a whole head the scan did not see end here (its start arrived

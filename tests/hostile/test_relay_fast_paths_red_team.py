@@ -286,6 +286,15 @@ SPLIT_STREAMS: dict[str, tuple[list[bytes], bytes]] = {
         b'data: {"choices":[]}\n\n' + DONE,
     ),
     "a head alone, then the events": ([HEAD, chunk(EVENT + DONE) + END], EVENT + DONE),
+    # a chunk per byte, in one piece then over reads: every piece must wake the reader
+    "one-byte chunks in one piece": (
+        [HEAD + b"".join(chunk(bytes([c])) for c in EVENT + DONE) + END],
+        EVENT + DONE,
+    ),
+    "one-byte chunks over reads": (
+        [HEAD, *(chunk(bytes([c])) for c in EVENT + DONE), END],
+        EVENT + DONE,
+    ),
 }
 
 
@@ -347,6 +356,34 @@ async def test_usage_split_across_reads_is_still_learnt(scripted: StartWorker) -
         assert answer.body == EVENT + USAGE + DONE
         outcome = await last_outcome(gw)
         assert outcome.reported_cached_tokens == 32 and outcome.reported_prompt_tokens == 40
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "5"),
+        ("max_tokens", -1),
+        ("max_tokens", 1.5),
+        ("temperature", "hot"),
+        ("top_p", [1]),
+        ("user", 5),
+        ("seed", "7"),
+        ("sampling_params", "x"),
+    ],
+)
+async def test_a_mistyped_field_is_a_json_400_never_forwarded(
+    scripted: StartWorker, field: str, value: Any
+) -> None:
+    worker = await scripted(script(HEAD + chunk(EVENT + DONE) + END))
+    async with run_gateway([worker.url], **FAST) as gw:
+        data = orjson.loads(body())
+        data[field] = value
+        answer = await ask(gw, post(orjson.dumps(data)))
+        answer.json_error(400)
+        null = orjson.loads(body())
+        null[field] = None  # absent and null are alike: not checked, forwarded
+        (await ask(gw, post(orjson.dumps(null)))).stream_ok()
+        assert len(worker.inference) == 1
 
 
 # --- c885574: one idle ticker for every answer --------------------------------------
@@ -641,3 +678,181 @@ async def test_content_length_with_chunked_is_refused(scripted: StartWorker) -> 
         reader.feed_eof()
         (await read_answer(reader)).json_error(400)
         assert not worker.inference
+
+
+# --- the prefill gate (prefix_index.prefill_wait_s; off by default) -------------------
+
+PROMPT = " ".join(f"step{i}" for i in range(1200))  # ~2,600 tokens: dozens of blocks
+GATE_WAIT_S = 2.0
+GATED: dict[str, Any] = {
+    **FAST,
+    "server__stream_idle_timeout_s": 10.0,
+    "policy__name": "min_ttft",
+    "prefix_index__prefill_wait_s": GATE_WAIT_S,
+}
+
+
+def sibling() -> bytes:
+    return post(body(content=PROMPT))
+
+
+def gate(gw: GatewayHandle) -> Any:
+    held = gw.router._prefill
+    assert held is not None
+    return held
+
+
+async def gate_waiting(gw: GatewayHandle, count: int, within_s: float = 3.0) -> None:
+    held = gate(gw)
+    for _ in range(int(within_s / 0.02)):
+        if sum(held.waiting(w.id) for w in gw.registry) == count:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not {count} held: {[held.waiting(w.id) for w in gw.registry]}")
+
+
+def gate_empty(gw: GatewayHandle) -> bool:
+    return not gate(gw)._workers
+
+
+def first_byte_after(delay_s: float, first: Answer | None = None) -> Answer:
+    """A worker answering a whole stream ``delay_s`` after each request (its prefill);
+    ``first``, if given, answers the first request instead."""
+
+    async def answer(exchange: Exchange, writer: asyncio.StreamWriter, n: int) -> bool:
+        if n == 1 and first is not None:
+            return await first(exchange, writer, n)
+        await asyncio.sleep(delay_s)
+        writer.write(HEAD + chunk(EVENT + USAGE + DONE) + END)
+        await writer.drain()
+        return True
+
+    return answer
+
+
+async def test_a_client_gone_while_held_leaves_the_gate(scripted: StartWorker) -> None:
+    worker = await scripted(first_byte_after(1.0))
+    async with run_gateway([worker.url], **GATED) as gw:
+        leader = asyncio.create_task(ask(gw, sibling()))
+        await asyncio.sleep(0.2)  # the leader is in prefill
+        reader, writer = await asyncio.open_connection("127.0.0.1", port(gw))
+        writer.write(sibling())
+        await writer.drain()
+        await gate_waiting(gw, 1)
+        writer.close()  # gone while held
+        await gate_waiting(gw, 0, within_s=1.0)
+        (await leader).stream_ok()
+        assert len(worker.inference) == 1  # the one that left never reached the worker
+        await settled(gw)
+        await no_leaks()
+        assert gate_empty(gw)
+        assert reader is not None
+
+
+async def test_a_leader_whose_worker_dies_before_its_first_byte_releases_its_waiters(
+    scripted: StartWorker,
+) -> None:
+    async def dies(exchange: Exchange, writer: asyncio.StreamWriter, n: int) -> bool:
+        await asyncio.sleep(0.3)
+        return False  # the connection closes before any byte
+
+    worker = await scripted(first_byte_after(0.05, first=dies))
+    async with run_gateway([worker.url], **GATED) as gw:
+        leader = asyncio.create_task(ask(gw, sibling()))
+        await asyncio.sleep(0.1)
+        waiters = [asyncio.create_task(ask(gw, sibling())) for _ in range(4)]
+        await gate_waiting(gw, 4)
+        # released at the leader's failure, long before their bound
+        answers = await asyncio.wait_for(asyncio.gather(*waiters), GATE_WAIT_S * 0.9)
+        for answer in answers:
+            answer.stream_ok()
+        (await leader).json_error()
+        await settled(gw)
+        await no_leaks()
+        assert gate_empty(gw)
+        assert gate(gw).stats.timed_out == 0
+
+
+@pytest.mark.slow
+async def test_two_hundred_siblings_at_once_are_all_answered(scripted: StartWorker) -> None:
+    worker = await scripted(first_byte_after(0.2))
+    async with run_gateway([worker.url], **GATED) as gw:
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(ask(gw, sibling(), within_s=20.0) for _ in range(200))), 25.0
+        )
+        for answer in answers:
+            answer.stream_ok()
+        await settled(gw)
+        await no_leaks()
+        assert gate_empty(gw)
+        stats = gate(gw).stats
+        print("200 siblings:", stats)
+        assert stats.held > 0
+
+
+async def test_the_same_prompt_in_a_loop_is_never_held_forever(scripted: StartWorker) -> None:
+    worker = await scripted(first_byte_after(0.02))
+    async with run_gateway([worker.url], **GATED) as gw:
+        clients = [[asyncio.create_task(ask(gw, sibling())) for _ in range(3)] for _ in range(10)]
+        for round_ in clients:  # three at once, ten times over, each round while the last ends
+            for answer in await asyncio.wait_for(asyncio.gather(*round_), GATE_WAIT_S + 3.0):
+                answer.stream_ok()
+        await settled(gw)
+        await no_leaks()
+        assert gate_empty(gw)
+        assert gate(gw).stats.timed_out == 0
+
+
+class _Idle(asyncio.Protocol):
+    """aiohttp's protocol as the guard sees it between two requests: waiting for a head."""
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[None] | None = asyncio.get_running_loop().create_future()
+        self.got = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.got += data
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = b""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.out += bytes(data)
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b"\r\n\r\nP"],  # blank lines and a request line's first byte in one piece
+        [b"\r\n", b"\r\nPOST / HTTP/1.1\r\n"],  # blank lines over two pieces
+        [b"\r\n\r\n", b"\r\n\r\n", b"G"],
+    ],
+)
+async def test_blank_lines_before_a_request_line_do_not_meet_its_head_deadline(
+    pieces: list[bytes],
+) -> None:
+    """A server skips blank lines before a request line (aiohttp does): their CRLFs are
+    no head's end, so the deadline of the head that follows them stays armed (before, it
+    was met there, and the next byte started another one)."""
+    guard = ConnectionGuard(0, 60.0)
+    protocol: Any = guard.wrap(_Idle)()
+    transport = _Transport()
+    protocol.connection_made(transport)
+    protocol._timer.cancel()  # the accept's deadline: this is a kept-alive connection's
+    protocol._timer = None
+    for piece in pieces:
+        protocol.data_received(piece)
+        assert protocol._timer is not None, piece
+    protocol.data_received(b"ET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert protocol._timer is None  # a whole head met it
+    protocol.connection_lost(None)
+    assert guard.open == 0
