@@ -56,6 +56,13 @@ Order and bounds:
 - A waiter whose client disconnects is removed at once (``leave``; the router's
   ``finally``).
 
+Synchronous callers (the offline replay, on a virtual clock: ``futures=False``): ``enter``
+makes no future, ``Pass.held_back`` says whether the request waits, ``first_byte``,
+``leave`` and ``forget_worker`` return the waiters they let go (the caller sends them), and
+the caller calls ``expire`` once ``Pass.max_wait_s`` has passed since ``enter``. The router
+awaits ``wait`` instead, which calls ``expire`` at the bound; the rule is the same code.
+``prefill_seconds`` is the bound's estimate from the gateway's cost model.
+
 Not thread-safe; one event loop.
 """
 
@@ -67,6 +74,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.routing.cost_model import CostModel
 from gateway.routing.slot_gate import GateStats, HeldChains, common_prefix
 
 _WAITING = 0
@@ -89,6 +97,11 @@ class Pass:
     # False: entered behind over a batch, not compared with the requests there, so its
     # ``held`` is the index's match, which may count blocks only they brought
     compared: bool = True
+
+    @property
+    def held_back(self) -> bool:
+        """Waiting for a sibling's first byte (not yet let go, bound not passed)."""
+        return self.phase == _WAITING
 
 
 @dataclass(slots=True)
@@ -120,6 +133,27 @@ def _one_batch(worker_id: str) -> int:
     return BATCH_TOKENS // 64  # blocks of 64 tokens, when the caller does not say
 
 
+def batch_blocks(block_tokens: float) -> int:
+    """One SGLang prefill batch's tokens (max_prefill_tokens' default), in blocks."""
+    return max(1, int(BATCH_TOKENS / block_tokens))
+
+
+def prefill_seconds(
+    costs: CostModel, worker_id: str, tokens: int, queued_tokens: int
+) -> float | None:
+    """The cost model's time to prefill ``tokens`` more tokens on ``worker_id`` behind
+    ``queued_tokens`` of queued prefill (fixed + per token + attention term); None before
+    calibration."""
+    if not costs.calibrated(worker_id):
+        return None
+    cost = costs.cost(worker_id)
+    return (
+        (cost.prefill_fixed_s or 0.0)
+        + (cost.prefill_per_token_s or 0.0) * (tokens + queued_tokens)
+        + (cost.prefill_pair_s or 0.0) * tokens * tokens / 2
+    )
+
+
 class PrefillGate:
     def __init__(
         self,
@@ -128,10 +162,12 @@ class PrefillGate:
         min_share: float = 0.1,
         prefill_s: Callable[[str, int], float | None] = _uncalibrated,
         batch_blocks: Callable[[str], int] = _one_batch,
+        futures: bool = True,
     ) -> None:
         """``prefill_s(worker, blocks)``: the estimated seconds to prefill that many more
         blocks there now, its queue included; None before calibration.
-        ``batch_blocks(worker)``: the blocks one prefill batch there takes at most."""
+        ``batch_blocks(worker)``: the blocks one prefill batch there takes at most.
+        ``futures=False``: a synchronous caller (module docstring), no event loop needed."""
         if max_wait_s < 0 or not 0 <= min_share <= 1:
             raise ValueError("max_wait_s must be >= 0 and min_share in [0, 1]")
         self._index = index
@@ -139,6 +175,7 @@ class PrefillGate:
         self._min_share = min_share
         self._prefill_s = prefill_s
         self._batch_blocks = batch_blocks
+        self._futures = futures
         self._workers: dict[str, _Worker] = {}
         self.stats = GateStats()  # handed: released at a sibling's first byte or end
 
@@ -173,7 +210,8 @@ class PrefillGate:
                 p.max_wait_s = self._bound(worker_id, gain)
         if p.max_wait_s > 0:
             p.phase = _WAITING
-            p.waiting = asyncio.get_running_loop().create_future()
+            if self._futures:
+                p.waiting = asyncio.get_running_loop().create_future()
             state.waiting.append(p)
             self.stats.held += 1
         else:
@@ -192,25 +230,32 @@ class PrefillGate:
             async with asyncio.timeout(p.max_wait_s):  # a cancel is never swallowed
                 await asyncio.shield(future)
         except TimeoutError:
-            state = self._workers.get(p.worker_id)
-            if p.phase == _WAITING and state is not None:
-                state.waiting.remove(p)
-                self._go(state, p)
-                self.stats.timed_out += 1
+            self.expire(p)
         finally:
             p.waiting = None
             p.waited_s = loop.time() - start
             self.stats.waited_s += p.waited_s
         return p.waited_s
 
-    def first_byte(self, p: Pass) -> None:
-        """The worker's first byte for ``p``: its prompt is in the radix cache now."""
+    def expire(self, p: Pass) -> bool:
+        """``p``'s bound has passed: if still waiting, it goes ahead (True)."""
+        state = self._workers.get(p.worker_id)
+        if p.phase != _WAITING or state is None:
+            return False
+        state.waiting.remove(p)
+        self._go(state, p)
+        self.stats.timed_out += 1
+        return True
+
+    def first_byte(self, p: Pass) -> list[Pass]:
+        """The worker's first byte for ``p``: its prompt is in the radix cache now. The
+        waiters it lets go."""
         if p.phase != _PREFILL:
-            return
+            return []
         state = self._workers.get(p.worker_id)
         p.phase = _DONE
         if state is None:
-            return
+            return []
         state.drop(p)
         chain = p.chain
         for t in state.prefill:  # a sharer beyond what it holds shares its next block
@@ -221,34 +266,41 @@ class PrefillGate:
                     state.queued -= more
         for t in state.waiting:
             t.held = max(t.held, common_prefix(t.chain, chain))
-        self._release(state)
+        released = self._release(state)
         self._drop_if_idle(p.worker_id, state)
+        return released
 
-    def leave(self, p: Pass) -> None:
-        """The request is over (or never ran): free its place, release its waiters."""
+    def leave(self, p: Pass) -> list[Pass]:
+        """The request is over (or never ran): free its place, release its waiters (the
+        ones let go are returned)."""
         if p.phase == _DONE:
-            return
+            return []
         phase, p.phase = p.phase, _DONE
         state = self._workers.get(p.worker_id)
         if state is None:
-            return
+            return []
+        released: list[Pass] = []
         if phase == _WAITING:
             if p in state.waiting:
                 state.waiting.remove(p)
         elif p in state.prefill:  # ended before its first byte: nothing was cached
             state.drop(p)
-            self._release(state)
+            released = self._release(state)
         self._drop_if_idle(p.worker_id, state)
+        return released
 
-    def forget_worker(self, worker_id: str) -> None:
-        """The worker is gone: its waiters go ahead (their attempt will fail over)."""
+    def forget_worker(self, worker_id: str) -> list[Pass]:
+        """The worker is gone: its waiters go ahead (their attempt will fail over); the
+        waiters let go are returned."""
         state = self._workers.pop(worker_id, None)
         if state is None:
-            return
+            return []
+        released = list(state.waiting)
         for t in (*state.prefill, *state.waiting):
             t.phase = _DONE
             if t.waiting is not None and not t.waiting.done():
                 t.waiting.set_result(None)
+        return released
 
     def waiting(self, worker_id: str) -> int:
         state = self._workers.get(worker_id)
@@ -278,10 +330,11 @@ class PrefillGate:
             return self._max_wait_s
         return min(self._max_wait_s, estimate)
 
-    def _release(self, state: _Worker) -> None:
+    def _release(self, state: _Worker) -> list[Pass]:
         """Waiters, oldest first, that no request in prefill or still waiting ahead of
-        them holds back any longer go."""
+        them holds back any longer go; those returned."""
         stay: list[Pass] = []
+        released: list[Pass] = []
         for w in list(state.waiting):
             busy, lead = max(
                 ((common_prefix(t.chain, w.chain), t) for t in (*state.prefill, *stay)),
@@ -294,8 +347,10 @@ class PrefillGate:
             state.waiting.remove(w)
             self._go(state, w)
             self.stats.handed += 1
+            released.append(w)
             if w.waiting is not None and not w.waiting.done():
                 w.waiting.set_result(None)
+        return released
 
     def _go(self, state: _Worker, p: Pass) -> None:
         p.phase = _PREFILL
