@@ -183,10 +183,12 @@ class MembershipSimulation(Simulation):
         plan: MembershipPlan,
         new_worker: Callable[[], SimWorker],
         seed: int = 0,
+        prefill_wait_s: float = 2.0,
     ) -> None:
         self._raw_prepare = prepare
         self._last_key = b""
-        super().__init__(policy, workers, capacity_tokens, self._prepare_kept, seed=seed)
+        super().__init__(policy, workers, capacity_tokens, self._prepare_kept, seed=seed,
+                         prefill_wait_s=prefill_wait_s)  # fmt: skip
         self.plan = plan
         self.capacity_tokens = capacity_tokens
         self._new_worker = new_worker
@@ -310,6 +312,7 @@ class MembershipSimulation(Simulation):
         wid = self.gw[k].id
         self.index.forget_worker(wid)
         self.chains.forget_worker(wid)
+        self._let_go(self.gate.forget_worker(wid), now)  # as the gateway's removal
         self.sims[k] = _Departed(self.sims[k])
         if self.job is not None:
             self.queue.stop(self.job)

@@ -83,6 +83,9 @@ class ReplayConfig:
     hicache_write_policy: str = "write_through"
     hicache_link: str = "pcie-gen5-x16"
     host_tier: bool = True
+    # the gateway's prefill gate (prefix_index.prefill_wait_s; 0: off): a sibling of a
+    # request still in prefill on its worker waits for its first token (sim.py)
+    prefill_wait_s: float = 2.0
 
 
 def parse_policy_args(pairs: Sequence[str]) -> dict[str, Any]:
@@ -141,7 +144,8 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
                                config.page_size, config.exact, hicache)  # fmt: skip
         sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare,
                          seed=config.seed, exact=exact, host_tokens=_host_tokens(config),
-                         tier_reports=config.hicache)  # fmt: skip
+                         tier_reports=config.hicache,
+                         prefill_wait_s=config.prefill_wait_s)  # fmt: skip
     try:
         outcome = sim.run(workload.requests)
     finally:
@@ -160,6 +164,8 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
         summary["lora"] = sim.lora_summary()
     if isinstance(sim, MembershipSimulation):
         summary["membership"] = sim.figures()
+    if not isinstance(sim, LoraSimulation):  # the LoRA replay's dispatch has no gate
+        summary["prefill_gate"] = {"wait_s": config.prefill_wait_s, **sim.gate_figures()}
     if sim.exact is not None:
         summary["exact"] = {"fidelity": sim.exact.fidelity(), "batches": sim.exact.batches,
                             "modes": sim.exact.manager.modes()}  # fmt: skip
@@ -229,7 +235,14 @@ def _membership_sim(
 
     workers, capacity = fleet(config.workers), config.capacity_tokens
     return MembershipSimulation(
-        policy, workers, capacity, builder.prepare, plan, lambda: fleet(1)[0], config.seed
+        policy,
+        workers,
+        capacity,
+        builder.prepare,
+        plan,
+        lambda: fleet(1)[0],
+        config.seed,
+        prefill_wait_s=config.prefill_wait_s,
     )
 
 
@@ -290,6 +303,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--no-host-tier", action="store_true",
                        help="the gateway ignores the host tier (the GPU's only)")  # fmt: skip
     add_membership_args(parser)
+    gate = parser.add_argument_group("prefill gate (the gateway's, on by default)")
+    gate.add_argument(
+        "--prefill-wait-s",
+        type=float,
+        default=2.0,
+        help="prefix_index.prefill_wait_s: a sibling's longest wait (0: off)",
+    )
+    gate.add_argument(
+        "--no-prefill-gate",
+        action="store_true",
+        help="no prefill gate (as --prefill-wait-s 0): the replay before it",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder")
 
 
@@ -322,4 +347,5 @@ def config_from_args(ns: argparse.Namespace, time_scale: float) -> ReplayConfig:
         hicache_write_policy=ns.hicache_write_policy,
         hicache_link=ns.hicache_link,
         host_tier=not ns.no_host_tier,
+        prefill_wait_s=0.0 if ns.no_prefill_gate else ns.prefill_wait_s,
     )

@@ -14,6 +14,16 @@ The worker model is the simulator's, unchanged, driven through
 :class:`~loadtests.replay.workers.SimWorker`. What the replay does not model: transport
 failures, retries and outlier ejection (every worker answers) and the slot gate's waits.
 
+Prefill gate (``prefill_wait_s`` > 0, the live default 2 s): the gateway's own
+:class:`~gateway.routing.prefill_gate.PrefillGate` (synchronous entry points), entered
+before ``dispatch`` for a request the policy routes by its match, as ``Router._attempt``
+does; a held request is recorded in the index and counted in flight at once (live, the
+lease is taken before the wait) but reaches its simulated worker only when the gate lets it
+go at a sibling's first token (or an end without one) in virtual time, or at its bound (a
+timer event). The request's TTFT in the records counts from its arrival (as its client
+sees it); the cost model's observation counts from its dispatch to the worker, as the
+live router's ``sent_at``. Not in the LoRA and PD replays (their own dispatch paths).
+
 Exact mode (``exact``, :class:`~loadtests.replay.exact.ReplayExact`): the workers record
 their KV events; after each step its batch is handed to the gateway's own event consumer,
 applied a modelled delay after the step ends, and every decision gets the exact matches
@@ -42,6 +52,7 @@ from gateway.forward.relay import CachedTiers
 from gateway.routing.cost_model import CostModel
 from gateway.routing.decide import Choice, ExactRequest, RoutingCore
 from gateway.routing.lease import Lease
+from gateway.routing.prefill_gate import Pass, PrefillGate, batch_blocks, prefill_seconds
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import RouteRequest
 from gateway.routing.tokens import TokenAccounting
@@ -80,6 +91,17 @@ class _InFlight:
     choice: Choice
     exact: ExactRequest | None
     sent_s: float | None = None  # dispatched after its arrival (a LoRA load first): then
+    place: Pass | None = None  # its place in the prefill gate (gated requests)
+
+
+@dataclass(frozen=True, slots=True)
+class _Send:
+    """What reaches the worker model, kept while the prefill gate holds the request."""
+
+    rid: str
+    k: int
+    prompt_key: bytes
+    max_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +151,14 @@ class Simulation:
         exact: Callable[[Sequence[str], Callable[[], float]], ReplayExact] | None = None,
         host_tokens: int | None = None,
         tier_reports: bool = False,
+        prefill_wait_s: float = 2.0,
     ) -> None:
         """``exact``: builds the exact-mode consumer from the worker ids and the clock
         (None: approximate only, as a gateway without KV events). ``host_tokens``: each
         worker's host-only tier as the gateway believes it (None: none); ``tier_reports``:
-        the workers report ``cached_tokens_details`` (they run HiCache)."""
+        the workers report ``cached_tokens_details`` (they run HiCache).
+        ``prefill_wait_s``: the prefill gate's bound (``prefix_index.prefill_wait_s``; 0:
+        no gate)."""
         self.policy = policy
         self.sims = list(workers)
         self.gw = [Worker(f"http://127.0.0.1:{FIRST_PORT + i}", 0.0) for i in range(len(workers))]
@@ -167,6 +192,29 @@ class Simulation:
         self._polled = [-math.inf] * len(workers)
         self.now = 0.0
         self.exact = exact([w.id for w in self.gw], lambda: self.now) if exact else None
+        self.gate = PrefillGate(
+            self.index,
+            prefill_wait_s,
+            prefill_s=self._prefill_s,
+            batch_blocks=lambda wid: batch_blocks(self.index.block_tokens(wid)),
+            futures=False,
+        )
+        self._held: dict[Pass, tuple[_InFlight, _Send]] = {}
+        self._timers: list[tuple[float, int, Pass]] = []  # (bound, seq, held place)
+
+    def _prefill_s(self, worker_id: str, blocks: int) -> float | None:
+        """The gate's bound, as the live gateway's composition root estimates it."""
+        worker = next((w for w in self.gw if w.id == worker_id), None)  # joins append
+        queued = 0 if worker is None else worker.queued_prefill_tokens
+        tokens = int(blocks * self.index.block_tokens(worker_id))
+        return prefill_seconds(self.costs, worker_id, tokens, queued)
+
+    def gate_figures(self) -> dict[str, float]:
+        """The prefill gate's counts: held, released at a sibling's first token (or end),
+        timed out at the bound, and the seconds held in all."""
+        st = self.gate.stats
+        return {"held": st.held, "released": st.handed, "timed_out": st.timed_out,
+                "waited_s": st.waited_s}  # fmt: skip
 
     def run(self, requests: Sequence[WorkloadRequest]) -> SimOutcome:
         next_sweep = INDEX_SWEEP_S
@@ -185,7 +233,19 @@ class Simulation:
     def _advance(self, until: float) -> None:
         """Process every KV-event batch and step completion at or before ``until``."""
         exact = self.exact
-        while self._events and self._events[0][0] <= until:
+        while True:
+            step_at = self._events[0][0] if self._events else math.inf
+            timer_at = self._timers[0][0] if self._timers else math.inf
+            if min(step_at, timer_at) > until or not (self._events or self._timers):
+                break
+            if timer_at < step_at:  # a held request's bound (after a step at the same instant)
+                _, _, place = heapq.heappop(self._timers)
+                if exact is not None:
+                    exact.deliver(timer_at)
+                self.now = timer_at
+                if place in self._held and self.gate.expire(place):
+                    self._send(*self._held.pop(place), timer_at)
+                continue
             now, _, k = heapq.heappop(self._events)
             if exact is not None:
                 exact.deliver(now)
@@ -243,28 +303,56 @@ class Simulation:
         exact = self.exact.request(prepared.prompt_key) if self.exact is not None else None
         choice = self.core.choose(route, self.routable(), now, exact)
         k = self.gw.index(choice.worker)
+        place = None
+        if choice.indexed and choice.policy.uses_prefix_match:  # the router's condition
+            place = self.gate.enter(choice.worker.id, route.block_hashes, choice.predicted_blocks)
         lease = self.core.dispatch(route, choice, now, exact)
-        true_matches = [sim.true_match(prepared.prompt_key) for sim in self.sims]
         # the longest predicted match, None when no index was consulted (the live rule)
         available = choice.available_tokens
         record = RequestRecord(
             index=req.index, arrival_s=now, worker=choice.worker.id,
             prompt_tokens=prepared.prompt_tokens, output_tokens=req.max_tokens,
-            predicted_tokens=choice.matched_tokens, true_match_tokens=true_matches[k],
-            best_match_tokens=max(true_matches), available_predicted_tokens=available,
+            predicted_tokens=choice.matched_tokens, true_match_tokens=0,
+            best_match_tokens=0, available_predicted_tokens=available,
             predicted_host_tokens=choice.matched_host_tokens,
         )  # fmt: skip
         self.records.append(record)
         self.reasons.append(choice.decision.reason)
-        rid = f"r{req.index}"
+        live = _InFlight(record, route, lease, choice, exact, place=place)
+        send = _Send(f"r{req.index}", k, prepared.prompt_key, req.max_tokens)
+        if place is not None and place.held_back:  # sent at a sibling's first token
+            self._held[place] = (live, send)
+            self._seq += 1
+            heapq.heappush(self._timers, (now + place.max_wait_s, self._seq, place))
+            return
+        self._send(live, send, now)
+
+    def _send(self, live: _InFlight, send: _Send, now: float) -> None:
+        """The request reaches its worker model: at its arrival, or when the prefill gate
+        lets it go."""
+        rec, k = live.record, send.k
+        true_matches = [sim.true_match(send.prompt_key) for sim in self.sims]
+        rec.true_match_tokens, rec.best_match_tokens = true_matches[k], max(true_matches)
+        if now > rec.arrival_s:  # held: the live router's TTFT counts from here
+            live.sent_s = now
+            self.gate.stats.waited_s += now - rec.arrival_s
         try:
-            self.sims[k].submit(rid, prepared.prompt_key, req.max_tokens, now)
+            self.sims[k].submit(send.rid, send.prompt_key, send.max_tokens, now)
         except ValueError:  # e.g. longer than the worker's KV: the worker answers 400
             self.rejected += 1
-            lease.release()
+            live.lease.release()
+            if live.place is not None:
+                self._let_go(self.gate.leave(live.place), now)
             return
-        self._live[rid] = _InFlight(record, route, lease, choice, exact)
+        self._live[send.rid] = live
         self._start_step(k, now)
+
+    def _let_go(self, released: list[Pass], now: float) -> None:
+        """Send the held requests the prefill gate let go."""
+        for place in released:
+            held = self._held.pop(place, None)
+            if held is not None:
+                self._send(*held, now)
 
     def _deliver(self, out: SimOutput, now: float) -> None:
         live = self._live.get(out.rid)
@@ -276,9 +364,13 @@ class Simulation:
             rec.cached_tokens = out.cached_tokens
             rec.cached_host_tokens = out.cached_host
             live.lease.first_token()
+            if live.place is not None:  # the prompt is cached there: its siblings go
+                self._let_go(self.gate.first_byte(live.place), now)
         if out.finished:
             rec.finish_s = now
             live.lease.release()
+            if live.place is not None:
+                self._let_go(self.gate.leave(live.place), now)
             sent = rec.arrival_s if live.sent_s is None else live.sent_s  # live: from dispatch
             ttft = None if rec.first_token_s is None else rec.first_token_s - sent
             tiers = None  # null without a hit, as SGLang's get_cached_tokens_details
