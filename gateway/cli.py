@@ -100,7 +100,7 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--prefill-wait-secs": (
         "prefix_index.prefill_wait_s",
-        {"type": float, "help": "hold a sibling of a prompt in prefill on SGLang, at most S s (2; 0 off)"},
+        {"type": float, "help": "hold a sibling of a prompt in prefill on SGLang (2; 0 off)"},
     ),
     "--slow-start-window-secs": (
         "slow_start.window_s",
