@@ -59,19 +59,21 @@ Then:
      holds: its queue waits for running requests to end, which the estimate does not
      see (llm-d's tenant workload: a worker holding 22 tenants against 16 elsewhere
      filled its KV and its requests waited 3-10 s while the estimate said 0.1-1.5 s);
-   - a worker starves when its share is below ``starve_share`` (0.5) x fair while its
-     in flight is below an even load (``max(ceil((total in flight + 1) / n),
-     load_cap_floor)``). While one does, any worker above an even load *and* above the
-     fair share 1/n is hot, crowded or not, unless it holds this request's private
-     prefix or the whole prompt. The plain line 1/n + ``hot_margin`` only stops a
-     collapse onto one worker: k workers holding a system prompt every new session
-     shares each take 1/k of the decisions, under the line for k >= 4 of 8, and the
-     near-tie band gives them every new session (the prompt is not private, so step 2
-     does not apply) while the rest never get a request (the multi-turn drain replay,
-     BENCHMARKS.md "min_ttft: no idle worker": 4 of 8 workers served all requests for
-     the first 300 s; one worker none in 40 minutes). Then new sessions go to the
-     starving worker, which then holds the system prompt and competes as the others;
-     conversations stay home. 0 turns the rule off.
+   - a worker starves when its share is below ``starve_share`` (0.5) x fair while it
+     has no prefill queued and its in flight is below an even load
+     (``max(ceil((total in flight + 1) / n), load_cap_floor)``). While one does, any
+     worker above an even load *and* above the fair share 1/n is hot, crowded or not,
+     unless it holds this request's private prefix or the whole prompt. The plain line
+     1/n + ``hot_margin`` only stops a collapse onto one worker: k workers holding a
+     system prompt every new session shares each take 1/k of the decisions, under the
+     line for k >= 4 of 8, and the near-tie band gives them every new session (the
+     prompt is not private, so step 2 does not apply) while the rest never get a
+     request (the multi-turn drain replay, BENCHMARKS.md "min_ttft: no idle worker": 4
+     of 8 workers served all requests for the first 300 s, one none in 40 minutes).
+     Then new sessions go to the starving worker, which then holds the system prompt
+     and competes as the others; conversations stay home. A worker computing a long
+     prompt is not starving (without that test, new conversations of the Mooncake
+     trace piled onto such a worker: p99 10.1 -> 13.6 s). 0 turns the rule off.
 2. Exploit (after Preble's E2 rule, with load in time units): let ``private`` be the
    part of the longest match that no other remaining candidate holds (longest match
    minus the best match on any other candidate: 0 when two or more hold the longest).
@@ -468,11 +470,15 @@ class MinTtftPolicy(Policy):
         return eligible or list(candidates)
 
     def _starving(self, candidates: Sequence[WorkerView], even: int, fair: float) -> bool:
-        """Is a candidate at most at an even load (``even``) left below ``starve_share``
-        x the even share ``fair`` of the recent decisions? (Rule 1's starving worker.)"""
+        """Is a candidate with no prefill queued, below an even load (``even``), left
+        below ``starve_share`` x the even share ``fair`` of the recent decisions? (Rule 1's
+        starving worker; one still computing a long prompt is not starving.)"""
         floor = self._starve_share * fair
         shares = self._shares
-        return any(w.in_flight < even and shares.get(w.id, fair) < floor for w in candidates)
+        return any(
+            w.in_flight < even and w.queued_prefill_tokens <= 0 and shares.get(w.id, fair) < floor
+            for w in candidates
+        )
 
     def _memory_bound(self, worker: WorkerView) -> bool:
         """The engine's last poll showed requests waiting while its KV was ``full_usage``
