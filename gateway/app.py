@@ -46,7 +46,8 @@ from gateway.routing.cost_model import CostModel
 from gateway.routing.decide import RoutingCore, TtftEstimate
 from gateway.routing.decisions import DecisionLog
 from gateway.routing.policy_set import PolicySet
-from gateway.routing.prefill_gate import BATCH_TOKENS, PrefillGate
+from gateway.routing.prefill_gate import PrefillGate, prefill_seconds
+from gateway.routing.prefill_gate import batch_blocks as gate_batch_blocks
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.prewarm import Membership, MembershipSettings, Stored
 from gateway.routing.rehome import ChainLog, PrewarmQueue, PromptStore, RehomeSettings, TokenBudget
@@ -304,20 +305,12 @@ def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
 
     def prefill_s(worker_id: str, blocks: int) -> float | None:
         """The cost model's time to prefill ``blocks`` more blocks there, behind its queue."""
-        if not costs.calibrated(worker_id):
-            return None
-        cost, worker = costs.cost(worker_id), registry.get(worker_id)
-        tokens = blocks * index.block_tokens(worker_id)
+        worker = registry.get(worker_id)
         queued = 0 if worker is None else worker.queued_prefill_tokens
-        return (
-            (cost.prefill_fixed_s or 0.0)
-            + (cost.prefill_per_token_s or 0.0) * (tokens + queued)
-            + (cost.prefill_pair_s or 0.0) * tokens * tokens / 2
-        )
+        return prefill_seconds(costs, worker_id, blocks * index.block_tokens(worker_id), queued)
 
     def batch_blocks(worker_id: str) -> int:
-        """One SGLang prefill batch's tokens (max_prefill_tokens' default), in blocks."""
-        return max(1, int(BATCH_TOKENS / index.block_tokens(worker_id)))
+        return gate_batch_blocks(index.block_tokens(worker_id))
 
     prefill = PrefillGate(
         index,

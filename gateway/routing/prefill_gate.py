@@ -139,7 +139,7 @@ def batch_blocks(block_tokens: float) -> int:
 
 
 def prefill_seconds(
-    costs: CostModel, worker_id: str, tokens: int, queued_tokens: int
+    costs: CostModel, worker_id: str, tokens: float, queued_tokens: float
 ) -> float | None:
     """The cost model's time to prefill ``tokens`` more tokens on ``worker_id`` behind
     ``queued_tokens`` of queued prefill (fixed + per token + attention term); None before
