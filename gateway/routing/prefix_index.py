@@ -368,8 +368,15 @@ class PrefixIndex:
             self._expire_pins(state, t)
         else:
             # Deepest block first, so block 0 ends up the most recently used; a touch
-            # moves a block to the end (pop, then insert).
+            # moves a block to the end (pop, then insert). A block pinned by an in-flight
+            # recording stays pinned (it joins the LRU at its release): put in the LRU
+            # too, its eviction would clear its holder bit while the pin kept it, and no
+            # later recording would set the bit again (a re-homing's pin=False recording
+            # of a shared system prompt lost it on every home: issue 20).
+            pins = state.pins
             for h in reversed(block_hashes):
+                if h in pins:
+                    continue
                 if lru.pop(h, None) is None:
                     holders[h] = holders.get(h, 0) | bit
                     first_new = h
