@@ -43,7 +43,7 @@ from gateway.http.observe import RegistrySnapshot, TelemetryHooks, telemetry_mid
 from gateway.http.openapi import add_openapi_route
 from gateway.peers.adapters import wire_shared_state
 from gateway.routing.cost_model import CostModel
-from gateway.routing.decide import RoutingCore, TtftEstimate
+from gateway.routing.decide import RoutingCore, Shortlist, TtftEstimate
 from gateway.routing.decisions import DecisionLog
 from gateway.routing.policy_set import PolicySet
 from gateway.routing.prefill_gate import PrefillGate, prefill_seconds
@@ -517,6 +517,7 @@ async def _runtime(
         model_policies=per_model,
     )
     core.tiers = index  # the host tier of the approximate index (HiCache workers)
+    core.shortlist = Shortlist(config.policy.shortlist_above, config.policy.shortlist_least_loaded)
     app[tuning.POLICY_CONTROL] = _policy_control(config, core, telemetry, snapshot)
     app[app_keys.ROUTER] = Router(
         config=config,

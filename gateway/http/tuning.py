@@ -41,7 +41,7 @@ from aiohttp import web
 
 from gateway.config import ConfigError, PolicyConfig, policy_config_from_dict
 from gateway.errors import GatewayError
-from gateway.routing.decide import RoutingCore
+from gateway.routing.decide import RoutingCore, Shortlist
 from gateway.routing.policy_set import PolicySet
 from gateway.telemetry.tuning import TuningTelemetry
 from policies.base import Policy, RouteContext, WorkerView
@@ -99,6 +99,7 @@ class PolicyControl:
             self.refused(source, str(exc))
             raise
         self._core.configure(policies)
+        self._core.shortlist = Shortlist(cfg.shortlist_above, cfg.shortlist_least_loaded)
         self.config = cfg
         if self._on_change is not None:
             self._on_change(policies)

@@ -185,6 +185,8 @@ class DecisionRecord:
     available_tokens: int | None = None
     # of ``matched_tokens``, the part believed on the chosen worker's host tier (HiCache)
     matched_host_tokens: int = 0
+    # candidates the routing core's shortlist left out (``Choice.left_out``; large fleets)
+    left_out: int = 0
 
     @classmethod
     def from_decision(
@@ -266,6 +268,7 @@ class DecisionRecord:
                     "estimated_ttft_s": self.estimated_ttft_s,
                 }
             )
+            | ({} if not self.left_out else {"candidates_left_out": self.left_out})
         )
 
 

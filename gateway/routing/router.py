@@ -245,6 +245,7 @@ class Router:
                 )
                 record.arm, record.shadows = choice.arm, choice.shadows
                 record.available_tokens = choice.available_tokens  # routing capture
+                record.left_out = choice.left_out  # by the shortlist of a large fleet
                 record.estimated_ttft_s = choice.estimated_ttft_s
                 if decode is not None:
                     d = decode.decision

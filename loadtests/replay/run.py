@@ -86,6 +86,9 @@ class ReplayConfig:
     # the gateway's prefill gate (prefix_index.prefill_wait_s; 0: off): a sibling of a
     # request still in prefill on its worker waits for its first token (sim.py)
     prefill_wait_s: float = 2.0
+    # the routing core's candidate shortlist above this many workers (policy.shortlist_above;
+    # 0: never), as the live gateway's default
+    shortlist_above: int = 64
 
 
 def parse_policy_args(pairs: Sequence[str]) -> dict[str, Any]:
@@ -145,7 +148,8 @@ def replay(config: ReplayConfig) -> tuple[dict[str, Any], SimOutcome]:
         sim = Simulation(policy, workers, config.capacity_tokens, builder.prepare,
                          seed=config.seed, exact=exact, host_tokens=_host_tokens(config),
                          tier_reports=config.hicache,
-                         prefill_wait_s=config.prefill_wait_s)  # fmt: skip
+                         prefill_wait_s=config.prefill_wait_s,
+                         shortlist_above=config.shortlist_above)  # fmt: skip
     try:
         outcome = sim.run(workload.requests)
     finally:
@@ -315,6 +319,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no prefill gate (as --prefill-wait-s 0): the replay before it",
     )
+    parser.add_argument(
+        "--shortlist-above",
+        type=int,
+        default=64,
+        help="policy.shortlist_above: the candidate shortlist above N workers (0: never)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder")
 
 
@@ -348,4 +358,5 @@ def config_from_args(ns: argparse.Namespace, time_scale: float) -> ReplayConfig:
         hicache_link=ns.hicache_link,
         host_tier=not ns.no_host_tier,
         prefill_wait_s=0.0 if ns.no_prefill_gate else ns.prefill_wait_s,
+        shortlist_above=ns.shortlist_above,
     )

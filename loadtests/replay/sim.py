@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from gateway.forward.relay import CachedTiers
 from gateway.routing.cost_model import CostModel
-from gateway.routing.decide import Choice, ExactRequest, RoutingCore
+from gateway.routing.decide import Choice, ExactRequest, RoutingCore, Shortlist
 from gateway.routing.lease import Lease
 from gateway.routing.prefill_gate import Pass, PrefillGate, batch_blocks, prefill_seconds
 from gateway.routing.prefix_index import PrefixIndex
@@ -152,13 +152,15 @@ class Simulation:
         host_tokens: int | None = None,
         tier_reports: bool = False,
         prefill_wait_s: float = 2.0,
+        shortlist_above: int = 64,
     ) -> None:
         """``exact``: builds the exact-mode consumer from the worker ids and the clock
         (None: approximate only, as a gateway without KV events). ``host_tokens``: each
         worker's host-only tier as the gateway believes it (None: none); ``tier_reports``:
         the workers report ``cached_tokens_details`` (they run HiCache).
         ``prefill_wait_s``: the prefill gate's bound (``prefix_index.prefill_wait_s``; 0:
-        no gate)."""
+        no gate). ``shortlist_above``: the routing core's candidate shortlist above this many
+        workers (``policy.shortlist_above``; 0: never)."""
         self.policy = policy
         self.sims = list(workers)
         self.gw = [Worker(f"http://127.0.0.1:{FIRST_PORT + i}", 0.0) for i in range(len(workers))]
@@ -174,6 +176,7 @@ class Simulation:
         self.tokens = TokenAccounting(on_worker_ratio=self.index.set_block_tokens)
         self.core = RoutingCore(policy, self.index, self.costs, self.rng, self.tokens)
         self.core.tiers = self.index  # as the live gateway's composition root sets it
+        self.core.shortlist = Shortlist(above=shortlist_above)
         if host_tokens:
             for w in self.gw:
                 self.index.set_host_capacity(w.id, host_tokens)

@@ -228,3 +228,31 @@ async def test_sighup_reloads_the_policy_from_the_file(
         assert doc["running"]["policy"]["name"] == "min_ttft"  # refused: the running stays
         assert doc["changes"][0]["result"] == "refused"
         assert proc.poll() is None  # a bad reload never stops the gateway
+
+
+async def test_the_shortlist_follows_the_config_and_a_live_change(client: ClientSession) -> None:
+    """A fleet above ``policy.shortlist_above``: cache_aware sees a shortlist and the
+    records count the rest; ``PUT /admin/policy`` turning it off applies at once."""
+    from simulator.fleet import SimConfig
+
+    async with (
+        await SimulatedFleet.start(6, SimConfig(speed=50.0)) as fleet,
+        run_gateway(
+            fleet.urls,
+            policy__name="cache_aware",
+            policy__shortlist_above=2,
+            policy__shortlist_least_loaded=1,
+        ) as gw,
+    ):
+        assert gw.router.core.shortlist.above == 2
+        assert await _post(client, gw.url, _chat(1, 0)) == 200
+        record = gw.router.decisions.latest(1)[0]
+        assert record.left_out >= 2 and len(record.candidates) + record.left_out == 6
+        assert record.to_dict()["candidates_left_out"] == record.left_out
+        async with client.put(gw.url + "/admin/policy", json={"shortlist_above": 0}) as resp:
+            assert resp.status == 200
+        assert gw.router.core.shortlist.above == 0
+        assert await _post(client, gw.url, _chat(2, 1)) == 200
+        record = gw.router.decisions.latest(1)[0]
+        assert record.left_out == 0 and len(record.candidates) == 6
+        assert "candidates_left_out" not in record.to_dict()
