@@ -48,7 +48,6 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
 
 import aiohttp
 from aiohttp import web
@@ -62,6 +61,7 @@ from gateway.forward.outbound import (
     upstream_target,
 )
 from gateway.forward.sse import EventFramer, EventTooLarge, ends_with_done, parse
+from gateway.forward.ticker import LoopTicker
 from gateway.forward.upstream import FirstByteTimeout, UpstreamError, UpstreamPool, UpstreamResponse
 
 __all__ = ["HOP_BY_HOP", "AttemptFailed", "ClientGone", "Outcome"]
@@ -294,14 +294,25 @@ class _WriteWatch:
     """Closes the client's connection when one write takes no byte for ``limit_s``: a
     client that stopped reading must not hold a worker's slot until the request's
     deadline. Checked four times per period by one timer shared by every stream of the
-    loop (:class:`_StallTicker`), not one timer per stream."""
+    loop (:class:`gateway.forward.ticker.LoopTicker`), not one timer per stream."""
 
-    __slots__ = ("_request", "_ticker", "since")
+    __slots__ = ("_limit", "_request", "_ticker", "since")
 
     def __init__(self, request: web.Request, limit_s: float) -> None:
         self._request = request
+        self._limit = limit_s
         self.since: float | None = None  # when the pending write began, None if none
-        self._ticker = _StallTicker.watch(self, limit_s) if limit_s > 0 else None
+        self._ticker = LoopTicker.watch(self, limit_s / 4) if limit_s > 0 else None
+
+    def tick(self, now: float) -> bool:
+        """The ticker's check: a write pending for the limit cuts the client (and ends
+        the watch)."""
+        since = self.since
+        if since is not None and now - since >= self._limit:
+            self._ticker = None
+            self.cut()
+            return False
+        return True
 
     def cut(self) -> None:
         transport = self._request.transport
@@ -310,49 +321,8 @@ class _WriteWatch:
 
     def stop(self) -> None:
         if self._ticker is not None:
-            self._ticker.watches.discard(self)
+            self._ticker.discard(self)
             self._ticker = None
-
-
-class _StallTicker:
-    """Every :class:`_WriteWatch` of one loop and one limit, checked ``limit / 4`` apart
-    by one timer that runs while any is watched (so a stalled write is cut between 1x and
-    1.25x the limit after it began, as with a timer per stream)."""
-
-    __slots__ = ("_limit", "_loop", "_timer", "watches")
-    _running: ClassVar[dict[tuple[asyncio.AbstractEventLoop, float], _StallTicker]] = {}
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit_s: float) -> None:
-        self._loop = loop
-        self._limit = limit_s
-        self._timer: asyncio.TimerHandle | None = None
-        self.watches: set[_WriteWatch] = set()
-
-    @classmethod
-    def watch(cls, watch: _WriteWatch, limit_s: float) -> _StallTicker:
-        loop = asyncio.get_running_loop()
-        ticker = cls._running.get((loop, limit_s))
-        if ticker is None:
-            for key in [k for k in cls._running if k[0].is_closed()]:  # loops gone (tests)
-                del cls._running[key]
-            ticker = cls._running[(loop, limit_s)] = cls(loop, limit_s)
-        ticker.watches.add(watch)
-        if ticker._timer is None:
-            ticker._timer = loop.call_later(limit_s / 4, ticker._tick)
-        return ticker
-
-    def _tick(self) -> None:
-        self._timer = None
-        now = self._loop.time()
-        for watch in list(self.watches):
-            since = watch.since
-            if since is not None and now - since >= self._limit:
-                self.watches.discard(watch)
-                watch.cut()
-        if self.watches:
-            self._timer = self._loop.call_later(self._limit / 4, self._tick)
-        else:
-            self._running.pop((self._loop, self._limit), None)
 
 
 async def _relay_sse(

@@ -64,10 +64,12 @@ import ssl as ssl_module
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+
+from gateway.forward.ticker import LoopTicker
 
 MAX_HEAD_BYTES = 64 * 1024  # a worker's status line + headers (SGLang's are < 1 KiB)
 MAX_HEADERS = 100
@@ -293,45 +295,6 @@ class UpstreamPool:
         return conn
 
 
-class _IdleTicker:
-    """Every answer of one loop watched for a silent worker with one ``idle_s``, checked
-    ``idle_s / 4`` apart by one timer that runs while any is watched (so a silent worker
-    is cut between 1x and 1.25x ``idle_s``, as with a timer per answer)."""
-
-    __slots__ = ("_idle_s", "_loop", "_timer", "answers")
-    _running: ClassVar[dict[tuple[asyncio.AbstractEventLoop, float], _IdleTicker]] = {}
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
-        self._loop = loop
-        self._idle_s = idle_s
-        self._timer: asyncio.TimerHandle | None = None
-        self.answers: set[UpstreamResponse] = set()
-
-    @classmethod
-    def watch(cls, answer: UpstreamResponse, idle_s: float) -> _IdleTicker:
-        loop = asyncio.get_running_loop()
-        ticker = cls._running.get((loop, idle_s))
-        if ticker is None:
-            for key in [k for k in cls._running if k[0].is_closed()]:  # loops gone (tests)
-                del cls._running[key]
-            ticker = cls._running[(loop, idle_s)] = cls(loop, idle_s)
-        ticker.answers.add(answer)
-        if ticker._timer is None:
-            ticker._timer = loop.call_later(idle_s / 4, ticker._tick)
-        return ticker
-
-    def _tick(self) -> None:
-        self._timer = None
-        now = self._loop.time()
-        for answer in list(self.answers):
-            if not answer._idle_check(now):
-                self.answers.discard(answer)
-        if self.answers:
-            self._timer = self._loop.call_later(self._idle_s / 4, self._tick)
-        else:
-            self._running.pop((self._loop, self._idle_s), None)
-
-
 def request_head(
     host_header: str, target: str, headers: Iterable[tuple[str, str]], length: int
 ) -> bytes:
@@ -415,7 +378,7 @@ class UpstreamResponse:
         self._expired = False
         self._waiter: asyncio.Future[None] | None = None
         self._idle_s = 0.0
-        self._idle_ticker: _IdleTicker | None = None  # set while watched for silence
+        self._idle_ticker: LoopTicker | None = None  # set while watched for silence
         self._last_data = self._loop.time()
         self._timer: asyncio.TimerHandle | None = self._loop.call_at(head_by, self._expire)
         conn.exchange = self
@@ -583,7 +546,7 @@ class UpstreamResponse:
             self._timer.cancel()
             self._timer = None
         if self._idle_ticker is not None:
-            self._idle_ticker.answers.discard(self)
+            self._idle_ticker.discard(self)
             self._idle_ticker = None
 
     def _expire(self) -> None:
@@ -616,11 +579,12 @@ class UpstreamResponse:
             return
         self._idle_s = idle_s
         self._last_data = self._loop.time()
-        self._idle_ticker = _IdleTicker.watch(self, idle_s)
+        self._idle_ticker = LoopTicker.watch(self, idle_s / 4)
 
-    def _idle_check(self, now: float) -> bool:
-        """One check of the worker's silence (by the loop's :class:`_IdleTicker`); False
-        once there is nothing more to watch."""
+    def tick(self, now: float) -> bool:
+        """One check of the worker's silence (by the loop's
+        :class:`gateway.forward.ticker.LoopTicker`); False once there is nothing more to
+        watch."""
         if self._complete or self._error is not None:
             return False
         if self._paused:

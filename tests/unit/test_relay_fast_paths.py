@@ -114,7 +114,7 @@ async def test_one_ticker_cuts_only_the_stalled_write_and_stops_when_idle() -> N
     for watch in (stalled, moving, idle):
         watch.stop()
     _tick(ticker)  # nothing left to watch: the timer stops, the ticker is dropped
-    assert not _armed(ticker) and not ticker.watches
+    assert not _armed(ticker) and not ticker.members
     again, _ = _watch(60.0)
     fresh = again._ticker
     assert fresh is not None and fresh is not ticker and _armed(fresh)
