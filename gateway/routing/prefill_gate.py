@@ -75,7 +75,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.routing.cost_model import CostModel
-from gateway.routing.slot_gate import GateStats, HeldChains, common_prefix
+from gateway.routing.slot_gate import GateStats, HeldChains, common_prefix, hold
 
 _WAITING = 0
 _PREFILL = 1
@@ -221,21 +221,7 @@ class PrefillGate:
     async def wait(self, p: Pass) -> float:
         """Until a sibling's first byte lets ``p`` go, or its bound passes; the seconds
         held."""
-        future = p.waiting
-        if future is None:
-            return 0.0
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        try:
-            async with asyncio.timeout(p.max_wait_s):  # a cancel is never swallowed
-                await asyncio.shield(future)
-        except TimeoutError:
-            self.expire(p)
-        finally:
-            p.waiting = None
-            p.waited_s = loop.time() - start
-            self.stats.waited_s += p.waited_s
-        return p.waited_s
+        return await hold(p, self.stats, lambda: self.expire(p))
 
     def expire(self, p: Pass) -> bool:
         """``p``'s bound has passed: if still waiting, it goes ahead (True)."""

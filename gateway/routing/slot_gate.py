@@ -95,6 +95,35 @@ def _uncalibrated(worker_id: str) -> float | None:
     return None
 
 
+class Held(Protocol):
+    """A place a gate may hold: :class:`Ticket` here, ``prefill_gate.Pass``."""
+
+    waiting: asyncio.Future[None] | None
+    max_wait_s: float
+    waited_s: float
+
+
+async def hold(place: Held, stats: GateStats, expire: Callable[[], object]) -> float:
+    """Wait until ``place.waiting`` is done or ``place.max_wait_s`` passes (then
+    ``expire()``); a cancel is never swallowed. Records and returns the seconds held (0
+    for a place not held). Both gates' ``wait``."""
+    future = place.waiting
+    if future is None:
+        return 0.0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        async with asyncio.timeout(place.max_wait_s):
+            await asyncio.shield(future)
+    except TimeoutError:
+        expire()
+    finally:
+        place.waiting = None
+        place.waited_s = loop.time() - start
+        stats.waited_s += place.waited_s
+    return place.waited_s
+
+
 class SlotGate:
     def __init__(
         self,
@@ -146,25 +175,15 @@ class SlotGate:
 
     async def wait(self, ticket: Ticket) -> float:
         """Until the ticket is handed its slot or ``max_wait_s`` passes; the seconds held."""
-        future = ticket.waiting
-        if future is None:
-            return 0.0
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        try:
-            async with asyncio.timeout(ticket.max_wait_s):  # a cancel is never swallowed
-                await asyncio.shield(future)
-        except TimeoutError:
-            state = self._workers.get(ticket.worker_id)
-            if not ticket.admitted and state is not None:
-                state.waiting.remove(ticket)
-                self._admit(state, ticket)
-                self.stats.timed_out += 1
-        finally:
-            ticket.waiting = None
-            ticket.waited_s = loop.time() - start
-            self.stats.waited_s += ticket.waited_s
-        return ticket.waited_s
+        return await hold(ticket, self.stats, lambda: self._expire(ticket))
+
+    def _expire(self, ticket: Ticket) -> None:
+        """``ticket``'s bound has passed: if still waiting, it takes another slot."""
+        state = self._workers.get(ticket.worker_id)
+        if not ticket.admitted and state is not None:
+            state.waiting.remove(ticket)
+            self._admit(state, ticket)
+            self.stats.timed_out += 1
 
     def leave(self, ticket: Ticket) -> None:
         """The request is over (or never ran): free its place and hand it on."""
