@@ -15,7 +15,7 @@ from __future__ import annotations
 import operator
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -104,6 +104,36 @@ class WorkerView:
     setup_s: float = 0.0
 
 
+@dataclass(slots=True)
+class FleetFigures:
+    """Every candidate of a decision, as columns aligned with ``ids`` (fleet order), for a
+    policy shown only a shortlist of them (``RouteContext.fleet``; the routing core's
+    candidate shortlist, ``gateway.routing.decide.Shortlist``). Each column holds what
+    the candidate's :class:`WorkerView` would: ``in_flight``, ``queued_prefill_tokens``
+    (the gateway's count, not the engine's), ``matched_tokens`` (0 where none); and
+    ``engine_load`` as last polled (its ``age_s`` is not set). Read-only by contract.
+    Built from counters the core already reads, in C-level passes: no view, no object
+    per candidate."""
+
+    ids: Sequence[str]
+    in_flight: Sequence[int]
+    queued_prefill_tokens: Sequence[int]
+    matched_tokens: Sequence[int]
+    engine_load: Sequence[EngineLoad | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ShortlistHints:
+    """What a policy asks of the core's shortlist (:meth:`Policy.shortlist_hints`):
+    ``must_see``, indices into the :class:`FleetFigures` of candidates to show it
+    whatever their load or match; ``tie_key``, per candidate (aligned), the order among
+    equally loaded candidates when the least loaded are taken (lowest first; None: the
+    core's rotating order)."""
+
+    must_see: Iterable[int] = ()
+    tie_key: Sequence[float] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class RouteContext:
     """Everything a policy may use to choose among ``candidates`` (non-empty)."""
@@ -117,6 +147,9 @@ class RouteContext:
     # keeps its own record of prompts (the replay's reference rule of sglang-router)
     block_hashes: Sequence[int] = ()
     block_chars: int = 0
+    # every candidate when ``candidates`` is the core's shortlist of a large fleet (the
+    # policy's cross-candidate figures are then the fleet's); None: ``candidates`` are all
+    fleet: FleetFigures | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +179,15 @@ class Policy(ABC):
     def describe(self) -> dict[str, Any]:
         """The policy's name and parameters, for ``/debug`` and the decision record."""
         return {"name": self.name}
+
+    def shortlist_hints(
+        self, fleet: FleetFigures, prompt_tokens: int, limit: int
+    ) -> ShortlistHints | None:
+        """For a policy the core shortlists (``gateway.routing.decide.SHORTLISTED``):
+        candidates its rules could pick that the core's shortlist might leave out, and
+        the order of equally loaded ones; ``limit``: about how many more it may ask for.
+        Called before :meth:`select` of the same decision, with the same ``fleet``."""
+        return None
 
 
 def least_loaded(candidates: Sequence[WorkerView], rng: random.Random) -> WorkerView:

@@ -154,6 +154,7 @@ p99 0.8-2.2 s above Dynamo's at .035 more hit.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import operator
@@ -167,8 +168,11 @@ from policies.base import (
     REASON_ONLY_CANDIDATE,
     REASON_PREFIX_HIT,
     Decision,
+    EngineLoad,
+    FleetFigures,
     Policy,
     RouteContext,
+    ShortlistHints,
     WorkerCost,
     WorkerView,
 )
@@ -226,6 +230,34 @@ _FORGET_AFTER = 64  # share windows without being offered: a worker's share is f
 _ID = operator.attrgetter("id")
 _MATCHED = operator.attrgetter("matched_tokens")
 _IN_FLIGHT = operator.attrgetter("in_flight")
+
+
+@dataclass(frozen=True, slots=True)
+class _FleetRules:
+    """Rule 1's and step 2's figures over a whole fleet (``MinTtftPolicy._fleet_rules``);
+    worker indices into its :class:`~policies.base.FleetFigures`."""
+
+    fair: float  # 1 / the fleet's size
+    longest: int  # the longest match on any worker
+    private: int | None  # the private holder over the fleet
+    holder: int | None  # the private holder over the workers the load cap keeps
+    excluded: list[int]  # the workers the load cap skips
+    starving: list[int]  # the starving workers (rule 1)
+    shares: list[float]  # each worker's share of recent decisions
+
+
+def _private_index(matched: Sequence[int], lead: float) -> int | None:
+    """``MinTtftPolicy._private_holder`` on a column of matches: the index of the one
+    worker holding the longest match (> 0) if it leads every other by at least ``lead``
+    tokens; C-level passes."""
+    top = heapq.nlargest(2, matched)
+    longest = top[0] if top else 0
+    if longest <= 0:
+        return None
+    second = top[1] if len(top) > 1 and top[1] > 0 else 0
+    if second == longest or longest - second < lead:
+        return None
+    return matched.index(longest)
 
 
 def _reason(chosen: WorkerView, longest: int) -> str:
@@ -306,6 +338,8 @@ class MinTtftPolicy(Policy):
         self._shares: dict[str, float] = {}  # worker id -> EWMA share of decisions
         self._touched: dict[str, int] = {}  # worker id -> the decision it was last offered
         self._decisions = 0  # decisions remembered so far, for the EWMA's warm-up
+        # the fleet's rules found for the core's shortlist, for the same decision's select
+        self._memo: tuple[FleetFigures, int, _FleetRules] | None = None
 
     def estimate(self, worker: WorkerView, prompt_tokens: int) -> tuple[float, float]:
         """(estimated TTFT, this request's own prefill time) on ``worker``, in seconds."""
@@ -357,6 +391,8 @@ class MinTtftPolicy(Policy):
             estimate, own = self.estimate(w, prompt_tokens)
             estimates[w.id] = estimate
             scores[w.id] = estimate + work_weight * own
+        if ctx.fleet is not None:
+            return self._select_shortlisted(ctx, ctx.fleet, estimates, scores)
         if len(candidates) == 1:
             return Decision(candidates[0].id, REASON_ONLY_CANDIDATE, estimates)
         private = self._private_holder(candidates, prompt_tokens)
@@ -365,9 +401,56 @@ class MinTtftPolicy(Policy):
         # eligible is a subsequence of candidates: all of them, the same private holder
         if len(eligible) != len(candidates):
             private = self._private_holder(eligible, prompt_tokens)
+        ids = list(map(_ID, candidates))
+        fair = 1.0 / len(candidates)
+        return self._pick(ctx, eligible, private, estimates, scores, longest_anywhere, fair, ids)
+
+    def _select_shortlisted(
+        self,
+        ctx: RouteContext,
+        fleet: FleetFigures,
+        estimates: dict[str, float],
+        scores: dict[str, float],
+    ) -> Decision:
+        """:meth:`select` over the core's shortlist of a large fleet: every figure read
+        across candidates (mean in flight, fair share, the starving test, the private
+        holder, the load cap's exclusions, the share memory) is the fleet's
+        (:class:`_FleetRules`); estimates, scores and the pick are over the shortlist."""
+        memo, self._memo = self._memo, None
+        if memo is not None and memo[0] is fleet and memo[1] == ctx.prompt_tokens:
+            rules = memo[2]
+        else:
+            rules = self._fleet_rules(fleet, ctx.prompt_tokens)
+        candidates = ctx.candidates
+        ids = fleet.ids
+        eligible = list(candidates)
+        if rules.excluded:
+            out = set(map(ids.__getitem__, rules.excluded))
+            eligible = [w for w in candidates if w.id not in out] or eligible
+        private: WorkerView | None = None
+        if rules.holder is not None:
+            holder_id = ids[rules.holder]
+            private = next((w for w in eligible if w.id == holder_id), None)
+        return self._pick(ctx, eligible, private, estimates, scores, rules.longest, rules.fair, ids)
+
+    def _pick(
+        self,
+        ctx: RouteContext,
+        eligible: list[WorkerView],
+        private: WorkerView | None,
+        estimates: dict[str, float],
+        scores: dict[str, float],
+        longest_anywhere: int,
+        fair: float,
+        ids: Sequence[str],
+    ) -> Decision:
+        """Steps 2 and 3 over the candidates the load cap kept (``eligible``), with
+        ``private`` the holder of a private prefix among them; the choice is remembered
+        as one over ``ids`` (every candidate, whose shares decay), ``fair`` 1 / their
+        number."""
         sticky = self._exploit(private, eligible, estimates)
         if sticky is not None:
-            self._remember(sticky.id, candidates)
+            self._remember(sticky.id, ids)
             return Decision(sticky.id, _reason(sticky, longest_anywhere), estimates)
         if max(map(_MATCHED, eligible)) <= 0:
             eligible = _most_room(eligible)  # nobody holds it: a free slot beats a queue
@@ -381,14 +464,81 @@ class MinTtftPolicy(Policy):
             pool = [w for w in pool if scores[w.id] <= low + self._tolerance_s]
             fewest = min(w.in_flight for w in pool)
             pool = [w for w in pool if w.in_flight == fewest]
-            fair = 1.0 / len(candidates)
             least = min(self._shares.get(w.id, fair) for w in pool)
             pool = [w for w in pool if self._shares.get(w.id, fair) <= least + 1e-9]
             low = min(scores[w.id] for w in pool)
         tied = [w for w in pool if scores[w.id] == low]
         chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
-        self._remember(chosen.id, candidates)
+        self._remember(chosen.id, ids)
         return Decision(chosen.id, _reason(chosen, longest_anywhere), estimates)
+
+    def shortlist_hints(
+        self, fleet: FleetFigures, prompt_tokens: int, limit: int
+    ) -> ShortlistHints:
+        """The workers a rule could pick that the core's shortlist (the best matchers,
+        the least loaded) might leave out: the private holder over the whole fleet and
+        over the workers the load cap keeps, and the ``limit`` starving workers with the
+        fewest in flight (then the lowest share); equally loaded workers are taken lowest
+        share first, as a cold prompt's tie goes. The fleet's rules are kept for
+        :meth:`select` of the same decision."""
+        rules = self._fleet_rules(fleet, prompt_tokens)
+        self._memo = (fleet, prompt_tokens, rules)
+        must = [i for i in (rules.private, rules.holder) if i is not None]
+        starving = rules.starving
+        if len(starving) > limit:
+            starving = sorted(starving, key=rules.shares.__getitem__)
+            starving.sort(key=fleet.in_flight.__getitem__)
+            del starving[limit:]
+        must.extend(starving)
+        return ShortlistHints(must, rules.shares)
+
+    def _fleet_rules(self, fleet: FleetFigures, prompt_tokens: int) -> _FleetRules:
+        """Rule 1's and step 2's figures over every candidate of ``fleet`` (the views'
+        rule, :meth:`_within_load_cap` and :meth:`_private_holder`, on columns). Only the
+        workers above an even load can be skipped, so only they are looked at one by one;
+        the rest are C-level passes."""
+        ids, in_flight, matched = fleet.ids, fleet.in_flight, fleet.matched_tokens
+        n = len(ids)
+        total = sum(in_flight) + 1
+        cap = max(math.ceil(self._load_factor * total / n), self._load_cap_floor)
+        even = max(math.ceil(total / n), self._load_cap_floor)
+        fair = 1.0 / n
+        hot = fair + self._hot_margin
+        shares = list(map(self._shares.get, ids, itertools.repeat(fair)))
+        floor = self._starve_share * fair
+        low = itertools.compress(range(n), map(floor.__gt__, shares))
+        queued = fleet.queued_prefill_tokens
+        starving = [i for i in low if in_flight[i] < even and queued[i] <= 0]
+        private = _private_index(matched, self._exploit_ratio * max(1, prompt_tokens))
+        longest = max(matched)
+        siblings = self._sibling_tokens
+        excluded: list[int] = []
+        # in flight + 1 > even: the only ones the load cap can skip
+        for i in itertools.compress(range(n), map(even.__le__, in_flight)):
+            crowded = in_flight[i] + 1 > cap
+            m = matched[i]
+            if crowded and self._kv_bound(fleet.engine_load[i]):
+                excluded.append(i)
+            elif m > 0 and prompt_tokens - m <= siblings:
+                continue
+            elif i == private:
+                if crowded and shares[i] > fair + self._private_hot_margin:
+                    excluded.append(i)
+            else:
+                share = shares[i]
+                # above an even load and share while a worker starves; hot and crowded
+                above = fair < share <= hot or (not crowded and share > fair)
+                if (above and starving) or (crowded and share > hot):
+                    excluded.append(i)
+        if len(excluded) == n:  # all of them skipped: none is
+            excluded = []
+        holder = private
+        if excluded:  # the private holder among the workers kept
+            kept = list(matched)
+            for i in excluded:
+                kept[i] = -1
+            holder = _private_index(kept, self._exploit_ratio * max(1, prompt_tokens))
+        return _FleetRules(fair, longest, private, holder, excluded, starving, shares)
 
     def _exploit(
         self,
@@ -483,25 +633,29 @@ class MinTtftPolicy(Policy):
     def _memory_bound(self, worker: WorkerView) -> bool:
         """The engine's last poll showed requests waiting while its KV was ``full_usage``
         full: they wait for running requests to finish, which the estimate does not see."""
-        engine = worker.engine_load
+        return self._kv_bound(worker.engine_load)
+
+    def _kv_bound(self, engine: EngineLoad | None) -> bool:
+        """:meth:`_memory_bound` of the engine's figures."""
         return (
             engine is not None
             and engine.waiting_requests > 0
             and engine.token_usage >= self._full_usage
         )
 
-    def _remember(self, chosen: str, candidates: Sequence[WorkerView]) -> None:
+    def _remember(self, chosen: str, ids: Sequence[str]) -> None:
+        """Record a choice among the candidates ``ids`` (every one, shortlisted or not)."""
         # Warm-up: until share_window decisions are seen, the shares are running means
         # over the decisions so far plus a fair prior worth one decision per candidate.
         # A plain EWMA starting at the fair share takes ~share_window/4 decisions to call
         # a worker hot, so a fresh gateway would send its first dozen requests of a shared
         # prefix all to one worker.
         self._decisions += 1
-        alpha = max(1.0 / self._share_window, 1.0 / (self._decisions + len(candidates) - 1))
-        shares, fair, keep = self._shares, 1.0 / len(candidates), 1.0 - alpha
-        ids = list(map(_ID, candidates))
-        for wid, share in zip(ids, map(shares.get, ids, itertools.repeat(fair)), strict=True):
-            shares[wid] = share * keep
+        alpha = max(1.0 / self._share_window, 1.0 / (self._decisions + len(ids) - 1))
+        shares, fair, keep = self._shares, 1.0 / len(ids), 1.0 - alpha
+        # every candidate's share * keep, in C-level passes (a few microseconds at 256)
+        decayed = map(keep.__rmul__, map(shares.get, ids, itertools.repeat(fair)))
+        shares.update(zip(ids, decayed, strict=False))  # a map's length: strict=True's check
         shares[chosen] += alpha  # the chosen is a candidate: (share * keep) + alpha, as before
         touched = self._touched
         touched.update(dict.fromkeys(ids, self._decisions))
@@ -509,7 +663,7 @@ class MinTtftPolicy(Policy):
         # only those of its model) keep shares of their own model's decisions. Memory is
         # bounded by forgetting workers no decision offered for a long while (gone for
         # good), never those of another model that is merely quiet for a moment.
-        if len(shares) > 4 * len(candidates):
+        if len(shares) > 4 * len(ids):
             stale = self._decisions - _FORGET_AFTER * self._share_window
             for wid in [k for k, seen in touched.items() if seen < stale]:
                 del shares[wid], touched[wid]

@@ -85,7 +85,15 @@ from gateway.routing.policy_set import PolicySet, ShadowPick
 from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.tokens import TokenAccounting
 from gateway.workers.registry import Worker, views_of
-from policies.base import Decision, Policy, RouteContext, WorkerCost, WorkerView, least_loaded
+from policies.base import (
+    Decision,
+    FleetFigures,
+    Policy,
+    RouteContext,
+    WorkerCost,
+    WorkerView,
+    least_loaded,
+)
 
 log = logging.getLogger(__name__)
 _MATCHED = operator.attrgetter("matched_tokens")
@@ -97,12 +105,10 @@ _PEER_QUEUED = operator.attrgetter("peer_queued_prefill_tokens")
 _ENGINE = operator.attrgetter("engine_load")
 
 # Policies whose reads across the candidates were checked for the shortlist (module
-# contract, "Candidate shortlist"); any other sees every candidate.
-# ``min_ttft`` is not: its load cap, fair share and share memory read the candidates it
-# is given, and over a shortlist its tail was 3x the full fleet's (BENCHMARKS.md,
-# "Scale": 256 workers, multi-turn x16, p99 TTFT 12.0 s against 3.6 s) until it reads
-# fleet-wide figures.
-SHORTLISTED: frozenset[str] = frozenset({"cache_aware"})
+# contract, "Candidate shortlist"); any other sees every candidate. ``min_ttft`` reads
+# its cross-candidate figures from ``RouteContext.fleet`` (over the shortlist alone its
+# tail was 3x the full fleet's: BENCHMARKS.md, "Scale").
+SHORTLISTED: frozenset[str] = frozenset({"cache_aware", "min_ttft"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,9 +303,11 @@ class RoutingCore:
         arm, policy = policies.arm(req)
         tokens = self._tokens(req, matches, exact_tokens)
         left_out = 0
+        fleet: FleetFigures | None = None
         above = self.shortlist.above
         if above and len(workers) > above and self._shortlists(policies, policy):
-            shortlisted = self._shortlist(workers, tokens)
+            fleet = self._fleet(workers, tokens)
+            shortlisted = self._shortlist(workers, fleet, policy, req.prompt_tokens)
             left_out = len(workers) - len(shortlisted)
             workers = shortlisted
         views = views_of(workers, now, tokens, self.costs.cost, self.index.free_sequences, setup)
@@ -314,7 +322,7 @@ class RoutingCore:
         every = views
         if self.gate is not None:  # slow start: the candidates the policy sees
             views = list(self.gate.admit(views, now, self.rng))
-        decision = self._select(req, views, policy, self.rng)
+        decision = self._select(req, views, policy, self.rng, fleet)
         worker = next((w for w in workers if w.id == decision.worker_id), workers[0])
         view = next((v for v in views if v.id == worker.id), None)
         matched = 0 if view is None else view.matched_tokens
@@ -329,7 +337,7 @@ class RoutingCore:
         if indexed or exact is not None:
             choice.available_tokens = max(map(_MATCHED, every))
         if policies.shadows and req.kind is not ApiKind.EMBEDDINGS:
-            self._shadows(req, choice, policies)
+            self._shadows(req, choice, policies, fleet)
         return choice
 
     def _tokens(
@@ -360,28 +368,49 @@ class RoutingCore:
             p.name in SHORTLISTED and not p.uses_routing_key for p in (policy, *policies.shadows)
         )
 
-    def _shortlist(self, workers: Sequence[Worker], tokens: Mapping[str, int]) -> list[Worker]:
+    @staticmethod
+    def _fleet(workers: Sequence[Worker], tokens: Mapping[str, int]) -> FleetFigures:
+        """Every candidate's figures as columns (``policies.base.FleetFigures``): the
+        views' in flight, queued prefill and match, the engine's last poll. C-level
+        passes over counters, no view."""
+        ids = list(map(_ID, workers))
+        return FleetFigures(
+            ids,
+            list(map(operator.add, map(_IN_FLIGHT, workers), map(_PEER_IN_FLIGHT, workers))),
+            list(map(operator.add, map(_QUEUED, workers), map(_PEER_QUEUED, workers))),
+            list(map(tokens.get, ids, itertools.repeat(0))),
+            list(map(_ENGINE, workers)),
+        )
+
+    def _shortlist(
+        self,
+        workers: Sequence[Worker],
+        fleet: FleetFigures,
+        policy: Policy,
+        prompt_tokens: int,
+    ) -> list[Worker]:
         """The candidates a policy sees in a large fleet, in fleet order (module
         contract). Per candidate only counters and a dict lookup, no view; the picks are
         C-level sorts over index lists."""
         n = len(workers)
         settings = self.shortlist
         k = settings.least_loaded
-        matched = list(map(tokens.get, map(_ID, workers), itertools.repeat(0)))
-        loads = list(map(operator.add, map(_IN_FLIGHT, workers), map(_PEER_IN_FLIGHT, workers)))
-        queued = list(map(operator.add, map(_QUEUED, workers), map(_PEER_QUEUED, workers)))
+        matched, loads = fleet.matched_tokens, fleet.in_flight
         # the engine's queued prefill where it reports more than the gateway counts
-        reported = [
-            0 if e is None else e.waiting_uncached_tokens or 0 for e in map(_ENGINE, workers)
-        ]
-        queued = list(map(max, queued, reported))
+        reported = [0 if e is None else e.waiting_uncached_tokens or 0 for e in fleet.engine_load]
+        queued = list(map(max, fleet.queued_prefill_tokens, reported))
+        hints = policy.shortlist_hints(fleet, prompt_tokens, k)
         # ties start at a point moving by one per shortlist: equal workers take turns
         start = self._turn % n
         self._turn += 1
         order = [*range(start, n), *range(start)]
+        if hints is not None and hints.tie_key is not None:  # the policy's order first
+            order.sort(key=hints.tie_key.__getitem__)
         keep = set(sorted(order, key=loads.__getitem__)[:k])
         keep.update(sorted(order, key=queued.__getitem__)[:k])
         keep.add(max(range(n), key=loads.__getitem__))  # the highest load (imbalance)
+        if hints is not None:
+            keep.update(hints.must_see)
         best = max(matched)
         if best > 0:
             floor = settings.match_fraction * best
@@ -424,7 +453,13 @@ class RoutingCore:
             replace(v, matched_host_tokens=h) if (h := hosts.get(v.id, 0)) > 0 else v for v in views
         ]
 
-    def _shadows(self, req: RouteRequest, choice: Choice, policies: PolicySet) -> None:
+    def _shadows(
+        self,
+        req: RouteRequest,
+        choice: Choice,
+        policies: PolicySet,
+        fleet: FleetFigures | None = None,
+    ) -> None:
         by_id = {v.id: v for v in choice.views}
         estimate = self._ttft
         if estimate is not None:
@@ -432,7 +467,7 @@ class RoutingCore:
         picks = []
         for shadow, rng in zip(policies.shadows, policies.shadow_rngs, strict=True):
             try:
-                d = self._select(req, choice.views, shadow, rng)
+                d = self._select(req, choice.views, shadow, rng, fleet)
             except Exception:  # a shadow never routes: its bug must not fail the request
                 self._shadow_failed(shadow.name)
                 continue
@@ -450,7 +485,12 @@ class RoutingCore:
             log.exception("shadow policy %s failed (%d times)", name, self.shadow_failures[name])
 
     def _select(
-        self, req: RouteRequest, views: Sequence[WorkerView], policy: Policy, rng: random.Random
+        self,
+        req: RouteRequest,
+        views: Sequence[WorkerView],
+        policy: Policy,
+        rng: random.Random,
+        fleet: FleetFigures | None = None,
     ) -> Decision:
         if req.kind is ApiKind.EMBEDDINGS:
             return Decision(least_loaded(views, rng).id, "load")
@@ -464,6 +504,7 @@ class RoutingCore:
             prompt_chars=req.prompt_chars,
             block_hashes=req.block_hashes,
             block_chars=req.block_chars,
+            fleet=fleet,
         )
         return policy.select(ctx)
 

@@ -117,7 +117,7 @@ def test_at_or_below_the_threshold_nothing_changes(n: int, policy: str) -> None:
     assert all(left == 0 and len(ids) == n for _, _, ids, left in runs[0])
 
 
-@pytest.mark.parametrize("policy", ["min_ttft", "round_robin", "consistent_hash", "least_load"])
+@pytest.mark.parametrize("policy", ["round_robin", "consistent_hash", "least_load"])
 def test_a_policy_not_checked_sees_every_candidate(policy: str) -> None:
     workers = _fleet(100)
     core, _ = _core(policy)
