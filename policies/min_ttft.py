@@ -237,13 +237,15 @@ class _FleetRules:
     """Rule 1's and step 2's figures over a whole fleet (``MinTtftPolicy._fleet_rules``);
     worker indices into its :class:`~policies.base.FleetFigures`."""
 
-    fair: float  # 1 / the fleet's size
+    cap: int  # the load cap: max(ceil(load_factor x (total in flight + 1) / n), floor)
+    even: int  # an even load: max(ceil((total in flight + 1) / n), floor)
+    fair: float  # 1 / n, the fair share
+    starving: bool  # a worker starves (rule 1)
+    starving_workers: list[int]
     longest: int  # the longest match on any worker
-    private: int | None  # the private holder over the fleet
-    holder: int | None  # the private holder over the workers the load cap keeps
-    excluded: list[int]  # the workers the load cap skips
-    starving: list[int]  # the starving workers (rule 1)
+    private: int | None  # the private holder over the fleet (step 2)
     shares: list[float]  # each worker's share of recent decisions
+    scale: float  # the lazy decay of the fleet's stored shares (``_lazy_ids``; 1.0: none)
 
 
 def _private_index(matched: Sequence[int], lead: float) -> int | None:
@@ -340,6 +342,11 @@ class MinTtftPolicy(Policy):
         self._decisions = 0  # decisions remembered so far, for the EWMA's warm-up
         # the fleet's rules found for the core's shortlist, for the same decision's select
         self._memo: tuple[FleetFigures, int, _FleetRules] | None = None
+        # Lazy decay (:meth:`_remember_fleet`): while one fleet is offered decision after
+        # decision, the true share of each of ``_lazy_ids`` is its ``_shares`` entry x
+        # ``_scale`` (the product of the decays since); None: every entry is true
+        self._lazy_ids: Sequence[str] | None = None
+        self._scale = 1.0
 
     def estimate(self, worker: WorkerView, prompt_tokens: int) -> tuple[float, float]:
         """(estimated TTFT, this request's own prefill time) on ``worker``, in seconds."""
@@ -393,6 +400,7 @@ class MinTtftPolicy(Policy):
             scores[w.id] = estimate + work_weight * own
         if ctx.fleet is not None:
             return self._select_shortlisted(ctx, ctx.fleet, estimates, scores)
+        self._settle()  # the shares as they are, for the rules over these candidates
         if len(candidates) == 1:
             return Decision(candidates[0].id, REASON_ONLY_CANDIDATE, estimates)
         private = self._private_holder(candidates, prompt_tokens)
@@ -401,9 +409,12 @@ class MinTtftPolicy(Policy):
         # eligible is a subsequence of candidates: all of them, the same private holder
         if len(eligible) != len(candidates):
             private = self._private_holder(eligible, prompt_tokens)
-        ids = list(map(_ID, candidates))
         fair = 1.0 / len(candidates)
-        return self._pick(ctx, eligible, private, estimates, scores, longest_anywhere, fair, ids)
+        chosen, reason = self._pick(
+            ctx, eligible, private, estimates, scores, longest_anywhere, fair, 1.0
+        )
+        self._remember(chosen, list(map(_ID, candidates)))
+        return Decision(chosen, reason, estimates)
 
     def _select_shortlisted(
         self,
@@ -423,15 +434,20 @@ class MinTtftPolicy(Policy):
             rules = self._fleet_rules(fleet, ctx.prompt_tokens)
         candidates = ctx.candidates
         ids = fleet.ids
-        eligible = list(candidates)
-        if rules.excluded:
-            out = set(map(ids.__getitem__, rules.excluded))
-            eligible = [w for w in candidates if w.id not in out] or eligible
         private: WorkerView | None = None
-        if rules.holder is not None:
-            holder_id = ids[rules.holder]
-            private = next((w for w in eligible if w.id == holder_id), None)
-        return self._pick(ctx, eligible, private, estimates, scores, rules.longest, rules.fair, ids)
+        if rules.private is not None:  # in the shortlist (shortlist_hints)
+            holder_id = ids[rules.private]
+            private = next((w for w in candidates if w.id == holder_id), None)
+        eligible = self._within_load_cap(candidates, ctx.prompt_tokens, private, rules)
+        if len(eligible) != len(candidates) and (private is None or private not in eligible):
+            # the private holder among the workers kept: over the shortlist's (it holds
+            # the best matchers), as over every candidate's when the holder is kept
+            private = self._private_holder(eligible, ctx.prompt_tokens)
+        chosen, reason = self._pick(
+            ctx, eligible, private, estimates, scores, rules.longest, rules.fair, rules.scale
+        )
+        self._remember_fleet(chosen, ids)
+        return Decision(chosen, reason, estimates)
 
     def _pick(
         self,
@@ -442,16 +458,15 @@ class MinTtftPolicy(Policy):
         scores: dict[str, float],
         longest_anywhere: int,
         fair: float,
-        ids: Sequence[str],
-    ) -> Decision:
+        scale: float,
+    ) -> tuple[str, str]:
         """Steps 2 and 3 over the candidates the load cap kept (``eligible``), with
-        ``private`` the holder of a private prefix among them; the choice is remembered
-        as one over ``ids`` (every candidate, whose shares decay), ``fair`` 1 / their
-        number."""
+        ``private`` the holder of a private prefix among them: the chosen worker's id and
+        the reason. ``fair``: 1 / the number of candidates (every one, shortlisted or
+        not); ``scale``: the lazy decay of their shares (1.0: none, ``_lazy_ids``)."""
         sticky = self._exploit(private, eligible, estimates)
         if sticky is not None:
-            self._remember(sticky.id, ids)
-            return Decision(sticky.id, _reason(sticky, longest_anywhere), estimates)
+            return sticky.id, _reason(sticky, longest_anywhere)
         if max(map(_MATCHED, eligible)) <= 0:
             eligible = _most_room(eligible)  # nobody holds it: a free slot beats a queue
         best = min(map(scores.__getitem__, map(_ID, eligible)))
@@ -464,27 +479,26 @@ class MinTtftPolicy(Policy):
             pool = [w for w in pool if scores[w.id] <= low + self._tolerance_s]
             fewest = min(w.in_flight for w in pool)
             pool = [w for w in pool if w.in_flight == fewest]
-            least = min(self._shares.get(w.id, fair) for w in pool)
-            pool = [w for w in pool if self._shares.get(w.id, fair) <= least + 1e-9]
+            stored, default = self._shares.get, fair / scale  # x 1.0, / 1.0: exact
+            least = min(stored(w.id, default) * scale for w in pool)
+            pool = [w for w in pool if stored(w.id, default) * scale <= least + 1e-9]
             low = min(scores[w.id] for w in pool)
         tied = [w for w in pool if scores[w.id] == low]
         chosen = tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
-        self._remember(chosen.id, ids)
-        return Decision(chosen.id, _reason(chosen, longest_anywhere), estimates)
+        return chosen.id, _reason(chosen, longest_anywhere)
 
     def shortlist_hints(
         self, fleet: FleetFigures, prompt_tokens: int, limit: int
     ) -> ShortlistHints:
         """The workers a rule could pick that the core's shortlist (the best matchers,
-        the least loaded) might leave out: the private holder over the whole fleet and
-        over the workers the load cap keeps, and the ``limit`` starving workers with the
-        fewest in flight (then the lowest share); equally loaded workers are taken lowest
-        share first, as a cold prompt's tie goes. The fleet's rules are kept for
-        :meth:`select` of the same decision."""
+        the least loaded) might leave out: the private holder over the whole fleet, and
+        the ``limit`` starving workers with the fewest in flight (then the lowest share);
+        equally loaded workers are taken lowest share first, as a cold prompt's tie goes.
+        The fleet's rules are kept for :meth:`select` of the same decision."""
         rules = self._fleet_rules(fleet, prompt_tokens)
         self._memo = (fleet, prompt_tokens, rules)
-        must = [i for i in (rules.private, rules.holder) if i is not None]
-        starving = rules.starving
+        must = [] if rules.private is None else [rules.private]
+        starving = rules.starving_workers
         if len(starving) > limit:
             starving = sorted(starving, key=rules.shares.__getitem__)
             starving.sort(key=fleet.in_flight.__getitem__)
@@ -493,52 +507,28 @@ class MinTtftPolicy(Policy):
         return ShortlistHints(must, rules.shares)
 
     def _fleet_rules(self, fleet: FleetFigures, prompt_tokens: int) -> _FleetRules:
-        """Rule 1's and step 2's figures over every candidate of ``fleet`` (the views'
-        rule, :meth:`_within_load_cap` and :meth:`_private_holder`, on columns). Only the
-        workers above an even load can be skipped, so only they are looked at one by one;
-        the rest are C-level passes."""
+        """Rule 1's and step 2's figures over every candidate of ``fleet``: the load
+        lines, the fair share, the starving test and its starving workers, the longest
+        match and the private holder. C-level passes over the columns; one by one only
+        the workers with no prefill queued (the starving test's first filter)."""
         ids, in_flight, matched = fleet.ids, fleet.in_flight, fleet.matched_tokens
         n = len(ids)
         total = sum(in_flight) + 1
         cap = max(math.ceil(self._load_factor * total / n), self._load_cap_floor)
         even = max(math.ceil(total / n), self._load_cap_floor)
         fair = 1.0 / n
-        hot = fair + self._hot_margin
-        shares = list(map(self._shares.get, ids, itertools.repeat(fair)))
+        if self._lazy_ids is not None and ids != self._lazy_ids:
+            self._settle()  # another fleet than the one the lazy decay follows
+        scale = self._scale if self._lazy_ids is not None else 1.0
+        stored = list(map(self._shares.get, ids, itertools.repeat(fair / scale)))
+        shares = stored if scale == 1.0 else list(map(scale.__rmul__, stored))
         floor = self._starve_share * fair
-        low = itertools.compress(range(n), map(floor.__gt__, shares))
-        queued = fleet.queued_prefill_tokens
-        starving = [i for i in low if in_flight[i] < even and queued[i] <= 0]
+        idle = itertools.compress(range(n), map((0).__ge__, fleet.queued_prefill_tokens))
+        starving = [i for i in idle if in_flight[i] < even and shares[i] < floor]
         private = _private_index(matched, self._exploit_ratio * max(1, prompt_tokens))
-        longest = max(matched)
-        siblings = self._sibling_tokens
-        excluded: list[int] = []
-        # in flight + 1 > even: the only ones the load cap can skip
-        for i in itertools.compress(range(n), map(even.__le__, in_flight)):
-            crowded = in_flight[i] + 1 > cap
-            m = matched[i]
-            if crowded and self._kv_bound(fleet.engine_load[i]):
-                excluded.append(i)
-            elif m > 0 and prompt_tokens - m <= siblings:
-                continue
-            elif i == private:
-                if crowded and shares[i] > fair + self._private_hot_margin:
-                    excluded.append(i)
-            else:
-                share = shares[i]
-                # above an even load and share while a worker starves; hot and crowded
-                above = fair < share <= hot or (not crowded and share > fair)
-                if (above and starving) or (crowded and share > hot):
-                    excluded.append(i)
-        if len(excluded) == n:  # all of them skipped: none is
-            excluded = []
-        holder = private
-        if excluded:  # the private holder among the workers kept
-            kept = list(matched)
-            for i in excluded:
-                kept[i] = -1
-            holder = _private_index(kept, self._exploit_ratio * max(1, prompt_tokens))
-        return _FleetRules(fair, longest, private, holder, excluded, starving, shares)
+        return _FleetRules(
+            cap, even, fair, bool(starving), starving, max(matched), private, shares, scale
+        )
 
     def _exploit(
         self,
@@ -582,19 +572,29 @@ class MinTtftPolicy(Policy):
         candidates: Sequence[WorkerView],
         prompt_tokens: int,
         private: WorkerView | None,
+        fleet: _FleetRules | None = None,
     ) -> list[WorkerView]:
         """The candidates the bounded-load step keeps (all of them if it would keep none);
-        ``private``: :meth:`_private_holder` of ``candidates``."""
-        n = len(candidates)
-        total = sum(map(_IN_FLIGHT, candidates)) + 1
-        cap = max(math.ceil(self._load_factor * total / n), self._load_cap_floor)
-        fair = 1.0 / n
+        ``private``: :meth:`_private_holder` of ``candidates``. With ``fleet`` (the core's
+        shortlist of a large fleet), the load lines, fair share and starving test are
+        the fleet's, not the candidates'."""
+        scale = 1.0
+        starving: bool | None = None  # found when first needed: most decisions need not
+        if fleet is None:
+            n = len(candidates)
+            total = sum(map(_IN_FLIGHT, candidates)) + 1
+            cap = max(math.ceil(self._load_factor * total / n), self._load_cap_floor)
+            fair = 1.0 / n
+            # the starving-worker rule's line: an even share of the requests in flight
+            even = max(math.ceil(total / n), self._load_cap_floor)
+        else:
+            cap, even, fair, starving, scale = (
+                fleet.cap, fleet.even, fleet.fair, fleet.starving, fleet.scale
+            )  # fmt: skip
         hot = fair + self._hot_margin
         siblings = self._sibling_tokens
-        shares = self._shares
-        # the starving-worker rule's line: an even share of the requests in flight
-        even = max(math.ceil(total / n), self._load_cap_floor)
-        starving: bool | None = None  # found when first needed: most decisions need not
+        # the true share: the stored one x the lazy decay (x 1.0 and / 1.0 are exact)
+        stored, default = self._shares.get, fair / scale
         eligible = []
         for w in candidates:
             load = w.in_flight + 1
@@ -606,10 +606,11 @@ class MinTtftPolicy(Policy):
             elif w.matched_tokens > 0 and prompt_tokens - w.matched_tokens <= siblings:
                 eligible.append(w)  # holds the whole prompt: a sibling adds no prefill there
             elif w is private:
-                if not crowded or shares.get(w.id, fair) <= fair + self._private_hot_margin:
+                share = stored(w.id, default) * scale
+                if not crowded or share <= fair + self._private_hot_margin:
                     eligible.append(w)
             else:
-                share = shares.get(w.id, fair)
+                share = stored(w.id, default) * scale
                 if fair < share <= hot or (not crowded and share > fair):
                     if starving is None:
                         starving = self._starving(candidates, even, fair)
@@ -667,6 +668,36 @@ class MinTtftPolicy(Policy):
             stale = self._decisions - _FORGET_AFTER * self._share_window
             for wid in [k for k, seen in touched.items() if seen < stale]:
                 del shares[wid], touched[wid]
+
+    def _remember_fleet(self, chosen: str, ids: Sequence[str]) -> None:
+        """:meth:`_remember` over a whole fleet (``ids``) in O(1) while the fleet stays
+        the same: the shares of every worker decay by one common factor, so the decay is
+        kept apart (``_scale``) and the chosen one's entry gains ``alpha / _scale``; the
+        true share is entry x ``_scale``. Same shares as :meth:`_remember` up to float
+        rounding. Another fleet, a decision over every candidate (:meth:`select`) or a
+        factor below 1e-150 first applies the factor to the entries (:meth:`_settle`)."""
+        alpha = max(1.0 / self._share_window, 1.0 / (self._decisions + len(ids)))
+        scale = self._scale * (1.0 - alpha)
+        if self._lazy_ids is None or ids != self._lazy_ids or scale < 1e-150:
+            self._settle()  # (a factor this small: renormalised; 0: share_window 1)
+            self._remember(chosen, ids)  # enters every id at its true share
+            self._lazy_ids = ids
+            return
+        self._decisions += 1
+        self._scale = scale
+        self._shares[chosen] += alpha / scale
+
+    def _settle(self) -> None:
+        """Apply the lazy decay (:meth:`_remember_fleet`) to the entries: every share
+        true again. The lazy fleet was offered every decision since: touched now."""
+        ids = self._lazy_ids
+        if ids is None:
+            return
+        scale, shares = self._scale, self._shares
+        shares.update(zip(ids, map(scale.__rmul__, map(shares.__getitem__, ids)), strict=False))
+        self._touched.update(dict.fromkeys(ids, self._decisions))
+        self._lazy_ids = None
+        self._scale = 1.0
 
     def describe(self) -> dict[str, Any]:
         return {

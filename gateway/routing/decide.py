@@ -404,11 +404,12 @@ class RoutingCore:
         start = self._turn % n
         self._turn += 1
         order = [*range(start, n), *range(start)]
-        if hints is not None and hints.tie_key is not None:  # the policy's order first
-            order.sort(key=hints.tie_key.__getitem__)
-        keep = set(sorted(order, key=loads.__getitem__)[:k])
+        by_load: Sequence[float] = loads
+        if hints is not None and hints.tie_key is not None:  # equal loads: the policy's order
+            by_load = list(map(operator.add, loads, map((0.5).__mul__, hints.tie_key)))
+        keep = set(sorted(order, key=by_load.__getitem__)[:k])
         keep.update(sorted(order, key=queued.__getitem__)[:k])
-        keep.add(max(range(n), key=loads.__getitem__))  # the highest load (imbalance)
+        keep.add(loads.index(max(loads)))  # the highest load (imbalance), the first such
         if hints is not None:
             keep.update(hints.must_see)
         best = max(matched)
