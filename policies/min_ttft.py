@@ -126,6 +126,31 @@ Reasons: ``prefix_hit`` (the chosen worker holds the longest match there is), ``
 ``only_candidate``.
 
 Cost: O(n) in candidates, a few float operations each.
+
+Large fleets (issue 22). Above ``policy.shortlist_above`` candidates (64) the routing
+core shows the policy a shortlist (``gateway.routing.decide.Shortlist``: the best
+matchers, the least loaded, the least queued, the most loaded, and what
+:meth:`MinTtftPolicy.shortlist_hints` asks for: the private holder over the whole fleet
+and up to ``shortlist_least_loaded`` starving workers, the fewest in flight first; among
+equally loaded workers the least loaded are taken lowest share first) with every
+candidate's figures as columns (``RouteContext.fleet``). Every figure a rule reads
+across candidates is then the fleet's, not the shortlist's: the load lines (the total in
+flight over n), the fair share 1/n, the starving test (rule 1), the longest match and
+the private holder (step 2); and the share memory decays for every candidate, lazily: while
+the same fleet is offered decision after decision its shares decay by one common factor
+kept apart (O(1) a decision: the chosen one's entry gains alpha over the factor), applied
+to the entries when the fleet changes, before a decision over every candidate, or once
+the factor falls below 1e-150. Estimates, scores, rule 1's per-worker test and steps 2
+and 3 run over the shortlist only. The decision is the one over every candidate when the
+pick is in the shortlist; where it can differ: a worker left out whose score is below
+every shown one (a fitted cost or engine figures cheaper than every least loaded and least
+queued worker's), the private holder among the workers rule 1 keeps once the fleet's holder
+is skipped (looked for among the shortlist's, which holds the best matchers),
+``free_sequences`` (the shortlist's), and random ties (among the shown). Without the
+fleet's figures, over the shortlist alone, the tail had tripled (BENCHMARKS.md, "Scale":
+256 workers, multi-turn, p99 TTFT 3.6 -> 12.0 s): its mean load (the least loaded) made
+busy holders "crowded", its fair share 1/40 hid hot workers, and shares of the workers left
+out never decayed.
 Trade-offs: the estimate is only as good as the cost model and the load figures (the
 gateway's own counts are exact for its traffic; the engine's are stale by one poll);
 the tolerance trades a little TTFT for hit rate (0 = pure min-TTFT); the load cap trades
@@ -154,7 +179,6 @@ p99 0.8-2.2 s above Dynamo's at .035 more hit.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import operator
@@ -251,13 +275,12 @@ class _FleetRules:
 def _private_index(matched: Sequence[int], lead: float) -> int | None:
     """``MinTtftPolicy._private_holder`` on a column of matches: the index of the one
     worker holding the longest match (> 0) if it leads every other by at least ``lead``
-    tokens; C-level passes."""
-    top = heapq.nlargest(2, matched)
-    longest = top[0] if top else 0
-    if longest <= 0:
-        return None
-    second = top[1] if len(top) > 1 and top[1] > 0 else 0
-    if second == longest or longest - second < lead:
+    tokens. C-level passes (a builtin each), no Python loop."""
+    longest = max(matched, default=0)
+    if longest <= 0 or longest < lead or matched.count(longest) > 1:
+        return None  # no match, a lead it cannot have, or two hold it
+    second = max(filter(longest.__gt__, matched), default=0)
+    if longest - (second if second > 0 else 0) < lead:
         return None
     return matched.index(longest)
 
@@ -523,8 +546,11 @@ class MinTtftPolicy(Policy):
         stored = list(map(self._shares.get, ids, itertools.repeat(fair / scale)))
         shares = stored if scale == 1.0 else list(map(scale.__rmul__, stored))
         floor = self._starve_share * fair
-        idle = itertools.compress(range(n), map((0).__ge__, fleet.queued_prefill_tokens))
-        starving = [i for i in idle if in_flight[i] < even and shares[i] < floor]
+        # nothing queued, below an even load, below the floor: three C-level tests
+        idle = map(operator.and_, map((0).__ge__, fleet.queued_prefill_tokens),
+                   map(even.__gt__, in_flight))  # fmt: skip
+        low = map(operator.and_, idle, map(floor.__gt__, shares))
+        starving = list(itertools.compress(range(n), low))
         private = _private_index(matched, self._exploit_ratio * max(1, prompt_tokens))
         return _FleetRules(
             cap, even, fair, bool(starving), starving, max(matched), private, shares, scale

@@ -40,28 +40,34 @@ Contract:
 
 Candidate shortlist (large fleets, issue 22; :class:`Shortlist`): above
 ``Shortlist.above`` candidates (``policy.shortlist_above``, 64; 0 = never), for a policy
-whose cross-candidate reads were checked (``cache_aware`` only: ``SHORTLISTED``;
-never one that pins by routing key, whose pin only the policy knows, nor with a shadow
-or arm outside that set), views are built and the policy called for a shortlist only:
-every candidate whose match is at least ``match_fraction`` of the longest on any
-candidate (the index's and exact mode's figures, before any view; at most
+whose cross-candidate reads were checked (``cache_aware`` and ``min_ttft``:
+``SHORTLISTED``; never one that pins by routing key, whose pin only the policy knows, nor
+with a shadow or arm outside that set), views are built and the policy called for a
+shortlist only. The core first reads every candidate's figures into columns
+(:class:`~policies.base.FleetFigures`: ids, in flight, queued prefill, match, engine
+load; C-level passes over counters, no view), asks the policy for hints
+(``Policy.shortlist_hints``: candidates it must see, and the order of equally loaded
+ones), and keeps: every candidate whose match is at least ``match_fraction`` of the
+longest on any candidate (the index's and exact mode's figures, before any view; at most
 ``max_matchers`` of them, the longest matches first, then the least loaded), the
 ``least_loaded`` candidates with the fewest requests in flight (the views' ``in_flight``:
-this gateway's and its peers') and as many with the least queued prefill (the larger of
-the gateway's count and the engine's ``waiting_uncached_tokens``), and the one with the
-most in flight; ties are taken from a point that moves by one each decision, so equal
-workers take turns. In fleet order. Which one the policy picks: the same as over every
-candidate when its pick is in the shortlist and the figures it reads across candidates
-are those of the fleet: ``cache_aware``'s (the longest match and its holders up to
-``max_matchers``, the lowest and highest load) are. ``min_ttft``'s are not (its load cap
-reads the mean in flight, its fair share 1 / candidates, and only the offered
-candidates' shares decay): over a shortlist its decisions moved and its tail grew
-(BENCHMARKS.md, "Scale"), so it sees every candidate until it reads fleet-wide figures
-from the core. Random ties among more equally loaded
-workers than the shortlist holds fall among those it holds. ``Choice.left_out`` counts
-the candidates left out (the decision record's candidates are the shortlist's); routing
-capture's *available* is unchanged (the longest match is always in the shortlist). At or
-below the threshold nothing changes.
+this gateway's and its peers'; equal loads in the policy's order, else from a point that
+moves by one each decision, so equal workers take turns) and as many with the least
+queued prefill (the larger of the gateway's count and the engine's
+``waiting_uncached_tokens``; ties from the moving point), the one with the most in
+flight, and the policy's must-sees. In fleet order. The policy gets the columns too
+(``RouteContext.fleet``). Which one it picks: the same as over every candidate when its
+pick is in the shortlist and the figures it reads across candidates are those of the
+fleet. ``cache_aware``'s (the longest match and its holders up to ``max_matchers``, the
+lowest and highest load) are by construction; ``min_ttft`` reads its load lines, fair
+share, starving test, longest match and private holder from the columns, and its share
+memory decays over every candidate (``policies/min_ttft.py``, "Large fleets", for what
+can still differ: a left-out worker with a lower score than every shown one). During a
+slow-start ramp (``gate``) the columns count the ramping workers the gate then drops.
+Random ties among more equally loaded workers than the shortlist holds fall among those
+it holds. ``Choice.left_out`` counts the candidates left out (the decision record's
+candidates are the shortlist's); routing capture's *available* is unchanged (the
+longest match is always in the shortlist). At or below the threshold nothing changes.
 
 Cost: one index match (O(w log n)) and one policy call per decision; nothing allocated
 per candidate beyond its view, and nothing per candidate outlives the decision: the
@@ -103,6 +109,8 @@ _PEER_IN_FLIGHT = operator.attrgetter("peer_in_flight")
 _QUEUED = operator.attrgetter("queued_prefill_tokens")
 _PEER_QUEUED = operator.attrgetter("peer_queued_prefill_tokens")
 _ENGINE = operator.attrgetter("engine_load")
+_UNCACHED = itertools.repeat("waiting_uncached_tokens")
+_ZERO = itertools.repeat(0)
 
 # Policies whose reads across the candidates were checked for the shortlist (module
 # contract, "Candidate shortlist"); any other sees every candidate. ``min_ttft`` reads
@@ -397,7 +405,10 @@ class RoutingCore:
         k = settings.least_loaded
         matched, loads = fleet.matched_tokens, fleet.in_flight
         # the engine's queued prefill where it reports more than the gateway counts
-        reported = [0 if e is None else e.waiting_uncached_tokens or 0 for e in fleet.engine_load]
+        # (getattr's default for a worker not polled; a None figure: the slow way)
+        reported = list(map(getattr, fleet.engine_load, _UNCACHED, _ZERO))
+        if None in reported:
+            reported = [t or 0 for t in reported]
         queued = list(map(max, fleet.queued_prefill_tokens, reported))
         hints = policy.shortlist_hints(fleet, prompt_tokens, k)
         # ties start at a point moving by one per shortlist: equal workers take turns

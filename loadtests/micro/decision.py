@@ -38,7 +38,8 @@ routing core's, 64; 0: never) and ``--shortlist-least-loaded K``: the candidate 
 (``gateway.routing.decide.Shortlist``); printed: the mean number of
 candidates the policy saw (a line per cell). ``--phases`` prints, per cell, the mean CPU
 time of each phase (estimate, candidates, choose, record, dispatch; a clock read between
-phases, so the cells' own figures grow by about a microsecond).
+phases, so the cells' own figures grow by about a microsecond) and, in brackets, its p99
+over the timed decisions (each phase's own: they need not fall on the same decisions).
 
 The collector's load, after the timed decisions (with their requests still in flight):
 the objects it tracks (thousands: what every full collection walks) and the CPU time of
@@ -206,8 +207,8 @@ class Decider:
         self.outstanding: deque[tuple[RouteRequest, Choice, Lease]] = deque()
         self.limit = in_flight_per_worker * len(fleet.workers)
         self.now = 1.0
-        # ``--phases``: CPU ns per phase of the timed decisions (None: not measured)
-        self.phases: dict[str, int] | None = None
+        # ``--phases``: CPU ns per phase of each timed decision (None: not measured)
+        self.phases: dict[str, list[int]] | None = None
         self._marked = 0
 
     def decide(self, req: RouteRequest, n: int) -> tuple[RouteRequest, Choice, Lease]:
@@ -243,7 +244,7 @@ class Decider:
             return
         now = time.thread_time_ns()
         if phase:
-            self.phases[phase] = self.phases.get(phase, 0) + now - self._marked
+            self.phases.setdefault(phase, []).append(now - self._marked)
         self._marked = now
 
     def finish_oldest(self) -> None:
@@ -354,8 +355,11 @@ def measure(
     seen = len(fleet.workers) - decider.left_out / len(cpus)
     print(f"# {len(fleet.workers)} workers, {policy}: candidates the policy saw (mean) {seen:.1f}")
     if decider.phases is not None:
-        means = ", ".join(f"{k} {v / 1e3 / len(cpus):,.0f}" for k, v in decider.phases.items())
-        print(f"# {len(fleet.workers)} workers, {policy}: mean CPU µs per phase: {means}")
+        means = ", ".join(
+            f"{k} {sum(v) / 1e3 / len(v):,.0f} ({_pct(sorted(v), 0.99):,.0f})"
+            for k, v in decider.phases.items()
+        )
+        print(f"# {len(fleet.workers)} workers, {policy}: mean CPU µs per phase (p99): {means}")
     times, cpu_times = sorted(walls), sorted(cpus)
     if profiler is not None:
         out = io.StringIO()

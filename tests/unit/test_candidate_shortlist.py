@@ -1,7 +1,9 @@
 """The candidate shortlist of a large fleet (``gateway.routing.decide.Shortlist``, issue
-22): above the threshold a checked policy (cache_aware) sees the best matchers, the least loaded and
-the most loaded only, the choice says how many were left out; at or below it (or turned
-off, or for a policy not checked) every candidate, and the very same decisions."""
+22): above the threshold a checked policy (cache_aware, min_ttft) sees the best
+matchers, the least loaded and the most loaded only, the choice says how many were left
+out; at or below it (or turned off, or for a policy not checked) every candidate, and
+the very same decisions. min_ttft's decisions against the full ones:
+``test_min_ttft_shortlist``."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def _ids(choice: Choice) -> list[str]:
     return [v.id for v in choice.views]
 
 
-@pytest.mark.parametrize("policy", ["cache_aware"])
+@pytest.mark.parametrize("policy", ["cache_aware", "min_ttft"])
 def test_the_shortlist_holds_the_best_matcher_and_the_least_loaded(policy: str) -> None:
     workers = _fleet(200)
     core, index = _core(policy)
