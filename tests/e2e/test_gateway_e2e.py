@@ -88,9 +88,13 @@ def test_min_ttft_doubles_the_engines_cached_fraction(policy_runs: dict[str, Run
     assert mt.cached_fraction > 0.4, mt  # most repeats of a prefix hit its worker
 
 
-def test_min_ttft_halves_the_median_ttft(policy_runs: dict[str, RunResult]) -> None:
+def test_min_ttft_halves_the_prompt_tokens_the_engines_compute(
+    policy_runs: dict[str, RunResult],
+) -> None:
+    """The work a cache hit saves, read from the engines' counters (the TTFT it buys is
+    a benchmark's figure, not a test's: docs/REAL_ENGINE.md, BENCHMARKS.md)."""
     rr, mt = policy_runs["round_robin"], policy_runs["min_ttft"]
-    assert mt.ttft_p50_s <= 0.5 * rr.ttft_p50_s, (rr, mt)
+    assert 1 - mt.cached_fraction <= 0.5 * (1 - rr.cached_fraction), (rr, mt)
 
 
 def test_min_ttft_learns_capacity_from_the_engine(gateway: GatewayProcess) -> None:
