@@ -532,8 +532,8 @@ class MinTtftPolicy(Policy):
     def _fleet_rules(self, fleet: FleetFigures, prompt_tokens: int) -> _FleetRules:
         """Rule 1's and step 2's figures over every candidate of ``fleet``: the load
         lines, the fair share, the starving test and its starving workers, the longest
-        match and the private holder. C-level passes over the columns; one by one only
-        the workers with no prefill queued (the starving test's first filter)."""
+        match and the private holder. C-level passes over the columns, no Python loop
+        over the workers."""
         ids, in_flight, matched = fleet.ids, fleet.in_flight, fleet.matched_tokens
         n = len(ids)
         total = sum(in_flight) + 1
@@ -682,7 +682,7 @@ class MinTtftPolicy(Policy):
         shares, fair, keep = self._shares, 1.0 / len(ids), 1.0 - alpha
         # every candidate's share * keep, in C-level passes (a few microseconds at 256)
         decayed = map(keep.__rmul__, map(shares.get, ids, itertools.repeat(fair)))
-        shares.update(zip(ids, decayed, strict=False))  # a map's length: strict=True's check
+        shares.update(zip(ids, decayed, strict=False))  # as long as ids by construction
         shares[chosen] += alpha  # the chosen is a candidate: (share * keep) + alpha, as before
         touched = self._touched
         touched.update(dict.fromkeys(ids, self._decisions))
