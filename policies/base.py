@@ -126,12 +126,13 @@ class FleetFigures:
 class ShortlistHints:
     """What a policy asks of the core's shortlist (:meth:`Policy.shortlist_hints`):
     ``must_see``, indices into the :class:`FleetFigures` of candidates to show it
-    whatever their load or match; ``tie_key``, per candidate (aligned), values within
-    [0, 1] ordering equally loaded candidates (in flight) when the least loaded are taken
-    (lowest first; None, or equal values: the core's rotating order)."""
+    whatever their load or match; ``load_key``, per candidate (aligned), the key the
+    least loaded are taken by (lowest first) in place of the in-flight count, ordering
+    unequal counts as they are (e.g. the count plus a tie-break below 1; None: the count;
+    equal keys: the core's rotating order)."""
 
     must_see: Iterable[int] = ()
-    tie_key: Sequence[float] | None = None
+    load_key: Sequence[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

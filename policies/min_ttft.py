@@ -268,15 +268,14 @@ class _FleetRules:
     starving_workers: list[int]
     longest: int  # the longest match on any worker
     private: int | None  # the private holder over the fleet (step 2)
-    shares: list[float]  # each worker's share of recent decisions
+    stored: list[float]  # each worker's share of recent decisions as stored (x scale)
     scale: float  # the lazy decay of the fleet's stored shares (``_lazy_ids``; 1.0: none)
 
 
-def _private_index(matched: Sequence[int], lead: float) -> int | None:
-    """``MinTtftPolicy._private_holder`` on a column of matches: the index of the one
-    worker holding the longest match (> 0) if it leads every other by at least ``lead``
-    tokens. C-level passes (a builtin each), no Python loop."""
-    longest = max(matched, default=0)
+def _private_index(matched: Sequence[int], longest: int, lead: float) -> int | None:
+    """``MinTtftPolicy._private_holder`` on a column of matches (``longest``: its
+    maximum): the index of the one worker holding the longest match (> 0) if it leads
+    every other by at least ``lead`` tokens. C-level passes (a builtin each)."""
     if longest <= 0 or longest < lead or matched.count(longest) > 1:
         return None  # no match, a lead it cannot have, or two hold it
     second = max(filter(longest.__gt__, matched), default=0)
@@ -523,17 +522,19 @@ class MinTtftPolicy(Policy):
         must = [] if rules.private is None else [rules.private]
         starving = rules.starving_workers
         if len(starving) > limit:
-            starving = sorted(starving, key=rules.shares.__getitem__)
+            starving = sorted(starving, key=rules.stored.__getitem__)
             starving.sort(key=fleet.in_flight.__getitem__)
             del starving[limit:]
         must.extend(starving)
-        return ShortlistHints(must, rules.shares)
+        # in flight + half the share (< 1): equal counts lowest share first
+        half = map((0.5 * rules.scale).__mul__, rules.stored)
+        return ShortlistHints(must, list(map(operator.add, fleet.in_flight, half)))
 
     def _fleet_rules(self, fleet: FleetFigures, prompt_tokens: int) -> _FleetRules:
         """Rule 1's and step 2's figures over every candidate of ``fleet``: the load
         lines, the fair share, the starving test and its starving workers, the longest
-        match and the private holder. C-level passes over the columns, no Python loop
-        over the workers."""
+        match and the private holder. C-level passes over the columns; one by one only
+        the workers with no prefill queued (the starving test)."""
         ids, in_flight, matched = fleet.ids, fleet.in_flight, fleet.matched_tokens
         n = len(ids)
         total = sum(in_flight) + 1
@@ -543,17 +544,17 @@ class MinTtftPolicy(Policy):
         if self._lazy_ids is not None and ids != self._lazy_ids:
             self._settle()  # another fleet than the one the lazy decay follows
         scale = self._scale if self._lazy_ids is not None else 1.0
+        # the shares as stored: x scale is the true share (an order they keep)
         stored = list(map(self._shares.get, ids, itertools.repeat(fair / scale)))
-        shares = stored if scale == 1.0 else list(map(scale.__rmul__, stored))
-        floor = self._starve_share * fair
-        # nothing queued, below an even load, below the floor: three C-level tests
-        idle = map(operator.and_, map((0).__ge__, fleet.queued_prefill_tokens),
-                   map(even.__gt__, in_flight))  # fmt: skip
-        low = map(operator.and_, idle, map(floor.__gt__, shares))
-        starving = list(itertools.compress(range(n), low))
-        private = _private_index(matched, self._exploit_ratio * max(1, prompt_tokens))
+        floor = self._starve_share * fair / scale
+        # nothing queued first (a C-level pass: few in a busy fleet), then below an even
+        # load and below the floor one by one
+        idle = itertools.compress(range(n), map((0).__ge__, fleet.queued_prefill_tokens))
+        starving = [i for i in idle if in_flight[i] < even and stored[i] < floor]
+        longest = max(matched)
+        private = _private_index(matched, longest, self._exploit_ratio * max(1, prompt_tokens))
         return _FleetRules(
-            cap, even, fair, bool(starving), starving, max(matched), private, shares, scale
+            cap, even, fair, bool(starving), starving, longest, private, stored, scale
         )
 
     def _exploit(

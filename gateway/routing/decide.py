@@ -51,8 +51,9 @@ ones), and keeps: every candidate whose match is at least ``match_fraction`` of 
 longest on any candidate (the index's and exact mode's figures, before any view; at most
 ``max_matchers`` of them, the longest matches first, then the least loaded), the
 ``least_loaded`` candidates with the fewest requests in flight (the views' ``in_flight``:
-this gateway's and its peers'; equal loads in the policy's order, else from a point that
-moves by one each decision, so equal workers take turns) and as many with the least
+this gateway's and its peers'; or by the policy's load key, which orders equal counts;
+else equal counts from a point that moves by one each decision, so equal workers take
+turns) and as many with the least
 queued prefill (the larger of the gateway's count and the engine's
 ``waiting_uncached_tokens``; ties from the moving point), the one with the most in
 flight, and the policy's must-sees. In fleet order. The policy gets the columns too
@@ -416,8 +417,8 @@ class RoutingCore:
         self._turn += 1
         order = [*range(start, n), *range(start)]
         by_load: Sequence[float] = loads
-        if hints is not None and hints.tie_key is not None:  # equal loads: the policy's order
-            by_load = list(map(operator.add, loads, map((0.5).__mul__, hints.tie_key)))
+        if hints is not None and hints.load_key is not None:  # equal loads: its order
+            by_load = hints.load_key
         keep = set(sorted(order, key=by_load.__getitem__)[:k])
         keep.update(sorted(order, key=queued.__getitem__)[:k])
         keep.add(loads.index(max(loads)))  # the highest load (imbalance), the first such
