@@ -129,10 +129,14 @@ class ShortlistHints:
     whatever their load or match; ``load_key``, per candidate (aligned), the key the
     least loaded are taken by (lowest first) in place of the in-flight count, ordering
     unequal counts as they are (e.g. the count plus a tie-break below 1; None: the count;
-    equal keys: the core's rotating order)."""
+    equal keys: the core's rotating order); ``matcher_cost``, (seconds per request in
+    flight, seconds per queued prefill token): when more candidates match than the
+    shortlist takes, those with equal matches are taken lowest ``a x in flight + b x
+    queued`` first (a queue-time estimate; None: fewest in flight first)."""
 
     must_see: Iterable[int] = ()
     load_key: Sequence[float] | None = None
+    matcher_cost: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

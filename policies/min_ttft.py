@@ -132,7 +132,9 @@ core shows the policy a shortlist (``gateway.routing.decide.Shortlist``: the bes
 matchers, the least loaded, the least queued, the most loaded, and what
 :meth:`MinTtftPolicy.shortlist_hints` asks for: the private holder over the whole fleet
 and up to ``shortlist_least_loaded`` starving workers, the fewest in flight first; among
-equally loaded workers the least loaded are taken lowest share first) with every
+equally loaded workers the least loaded are taken lowest share first; among more
+holders of one match than the shortlist takes, the least queue time first, 5 ms per
+request in flight + 22 us per queued token, as their scores differ) with every
 candidate's figures as columns (``RouteContext.fleet``). Every figure a rule reads
 across candidates is then the fleet's, not the shortlist's: the load lines (the total in
 flight over n), the fair share 1/n, the starving test (rule 1), the longest match and
@@ -528,7 +530,9 @@ class MinTtftPolicy(Policy):
         must.extend(starving)
         # in flight + half the share (< 1): equal counts lowest share first
         half = map((0.5 * rules.scale).__mul__, rules.stored)
-        return ShortlistHints(must, list(map(operator.add, fleet.in_flight, half)))
+        load_key = list(map(operator.add, fleet.in_flight, half))
+        # holders of the same match: the least queue time first, as their scores go
+        return ShortlistHints(must, load_key, (DEFAULT_FIXED_S, DEFAULT_PER_TOKEN_S))
 
     def _fleet_rules(self, fleet: FleetFigures, prompt_tokens: int) -> _FleetRules:
         """Rule 1's and step 2's figures over every candidate of ``fleet``: the load

@@ -49,7 +49,8 @@ load; C-level passes over counters, no view), asks the policy for hints
 (``Policy.shortlist_hints``: candidates it must see, and the order of equally loaded
 ones), and keeps: every candidate whose match is at least ``match_fraction`` of the
 longest on any candidate (the index's and exact mode's figures, before any view; at most
-``max_matchers`` of them, the longest matches first, then the least loaded), the
+``max_matchers`` of them, the longest matches first, then the least loaded, or the
+least queue time by the policy's ``matcher_cost``), the
 ``least_loaded`` candidates with the fewest requests in flight (the views' ``in_flight``:
 this gateway's and its peers'; or by the policy's load key, which orders equal counts;
 else equal counts from a point that moves by one each decision, so equal workers take
@@ -432,7 +433,14 @@ class RoutingCore:
             )
             cap = settings.max_matchers
             if cap and len(holders) > cap:  # the longest first, then the least loaded
-                holders.sort(key=loads.__getitem__)
+                cost = None if hints is None else hints.matcher_cost
+                if cost is None:
+                    holders.sort(key=loads.__getitem__)
+                else:  # the policy's queue-time estimate
+                    per_request, per_token = cost
+                    waits = map(per_request.__mul__, loads)
+                    work = map(per_token.__mul__, queued)
+                    holders.sort(key=list(map(operator.add, waits, work)).__getitem__)
                 holders.sort(key=matched.__getitem__, reverse=True)
                 del holders[cap:]
             keep.update(holders)

@@ -165,6 +165,25 @@ def test_holders_under_the_fleets_load_cap_keep_a_shared_prefix() -> None:
     assert a.worker in holders and a.decision.reason == "prefix_hit"
 
 
+def test_among_more_holders_than_the_shortlist_takes_the_least_queue_time_is_shown() -> None:
+    """Every worker holds the prompt's prefix (more than max_matchers): the one with the
+    lowest estimate has more in flight than most (they decode) but little queued; taken
+    by queue time, not by in-flight count, it is shown and chosen, as over every worker."""
+    workers = _fleet(N, 7)
+    for i, w in enumerate(workers):
+        w.in_flight, w.decoding_requests = 3 + i % 2, 0
+        w.queued_prefill_tokens = 3000 + i
+    for w in workers[:20]:  # little queued, but many waiting
+        w.in_flight, w.queued_prefill_tokens = 9, 100
+    best = workers[77]
+    best.in_flight, best.decoding_requests, best.queued_prefill_tokens = 5, 4, 500
+    prefix = list(range(1, 129))
+    records = [(prefix, w.id) for w in workers]
+    a, b = _both(_even_shares(workers), workers, records, _request([*prefix, 9100], extra=300))
+    _same(a, b)
+    assert a.worker is best
+
+
 def test_a_kv_bound_holder_is_skipped_as_over_every_worker() -> None:
     workers = _fleet(N, 5)
     holder = workers[33]
