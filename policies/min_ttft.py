@@ -41,7 +41,7 @@ Then:
    re-computing their prefixes elsewhere would buy nothing. With 4 workers a hot worker
    is held near 0.25 + 0.15 = 0.4 of the decisions: no collapse onto one worker. The
    share memory makes ``select`` depend on the policy's past decisions, as round robin's
-   counter does. Three refinements:
+   counter does. Four refinements:
    - the one worker holding a *private* prefix of this request (as in step 2: its
      conversation, its agent's history) is hot for it only above 1/n +
      ``private_hot_margin`` (0.3): moving a conversation throws its history away. When
@@ -62,8 +62,10 @@ Then:
    - a worker starves when its share is below ``starve_share`` (0.5) x fair while it
      has no prefill queued and its in flight is below an even load
      (``max(ceil((total in flight + 1) / n), load_cap_floor)``). While one does, any
-     worker above an even load *and* above the fair share 1/n is hot, crowded or not,
-     unless it holds this request's private prefix or the whole prompt. The plain line
+     worker above the fair share 1/n is hot, whatever its load, unless it holds this
+     request's private prefix or the whole prompt; for a prompt nobody holds, only
+     above an even load (at light load a cold prompt goes to the lowest score: a
+     slower worker is not made to take it). The plain line
      1/n + ``hot_margin`` only stops a collapse onto one worker: k workers holding a
      system prompt every new session shares each take 1/k of the decisions, under the
      line for k >= 4 of 8, and the near-tie band gives them every new session (the
@@ -73,7 +75,14 @@ Then:
      Then new sessions go to the starving worker, which then holds the system prompt
      and competes as the others; conversations stay home. A worker computing a long
      prompt is not starving (without that test, new conversations of the Mooncake
-     trace piled onto such a worker: p99 10.1 -> 13.6 s). 0 turns the rule off.
+     trace piled onto such a worker: p99 10.1 -> 13.6 s). The rule used to spare
+     workers not above an even load (at least ``load_cap_floor``), which never bound at
+     light load: on small caches the holders of a shared system prompt then took every
+     new session and evicted each other's histories while the rest idled (live
+     multi-turn on 32,768-token workers, BENCHMARKS.md "Live: every workload x every
+     rule": 3 of 8 workers served all 384 requests, cached .662-.670 against
+     ``cache_aware``'s .730; with the load left out for prompts some worker holds
+     part of, .766). 0 turns the rule off.
 2. Exploit (after Preble's E2 rule, with load in time units): let ``private`` be the
    part of the longest match that no other remaining candidate holds (longest match
    minus the best match on any other candidate: 0 when two or more hold the longest).
@@ -429,7 +438,7 @@ class MinTtftPolicy(Policy):
             return Decision(candidates[0].id, REASON_ONLY_CANDIDATE, estimates)
         private = self._private_holder(candidates, prompt_tokens)
         longest_anywhere = max(map(_MATCHED, candidates))
-        eligible = self._within_load_cap(candidates, prompt_tokens, private)
+        eligible = self._within_load_cap(candidates, prompt_tokens, private, longest_anywhere)
         # eligible is a subsequence of candidates: all of them, the same private holder
         if len(eligible) != len(candidates):
             private = self._private_holder(eligible, prompt_tokens)
@@ -462,7 +471,9 @@ class MinTtftPolicy(Policy):
         if rules.private is not None:  # in the shortlist (shortlist_hints)
             holder_id = ids[rules.private]
             private = next((w for w in candidates if w.id == holder_id), None)
-        eligible = self._within_load_cap(candidates, ctx.prompt_tokens, private, rules)
+        eligible = self._within_load_cap(
+            candidates, ctx.prompt_tokens, private, rules.longest, rules
+        )
         if len(eligible) != len(candidates) and (private is None or private not in eligible):
             # the private holder among the workers kept: over the shortlist's (it holds
             # the best matchers), as over every candidate's when the holder is kept
@@ -603,12 +614,14 @@ class MinTtftPolicy(Policy):
         candidates: Sequence[WorkerView],
         prompt_tokens: int,
         private: WorkerView | None,
+        longest: int,
         fleet: _FleetRules | None = None,
     ) -> list[WorkerView]:
         """The candidates the bounded-load step keeps (all of them if it would keep none);
-        ``private``: :meth:`_private_holder` of ``candidates``. With ``fleet`` (the core's
-        shortlist of a large fleet), the load lines, fair share and starving test are
-        the fleet's, not the candidates'."""
+        ``private``: :meth:`_private_holder` of ``candidates``; ``longest``: the longest
+        match on any candidate. With ``fleet`` (the core's shortlist of a large fleet),
+        the load lines, fair share and starving test are the fleet's, not the
+        candidates'."""
         scale = 1.0
         starving: bool | None = None  # found when first needed: most decisions need not
         if fleet is None:
@@ -630,8 +643,8 @@ class MinTtftPolicy(Policy):
         for w in candidates:
             load = w.in_flight + 1
             crowded = load > cap
-            if not crowded and load <= even:
-                eligible.append(w)  # not above an even load
+            if not crowded and load <= even and longest <= 0:
+                eligible.append(w)  # a prompt nobody holds, at most an even load here
             elif crowded and self._memory_bound(w):
                 continue  # crowded and queueing for KV: skipped whatever it holds
             elif w.matched_tokens > 0 and prompt_tokens - w.matched_tokens <= siblings:
@@ -646,7 +659,7 @@ class MinTtftPolicy(Policy):
                     if starving is None:
                         starving = self._starving(candidates, even, fair)
                     if starving:
-                        continue  # above an even load and share while a worker starves
+                        continue  # above the fair share while a worker starves
                 if not crowded or share <= hot:
                     eligible.append(w)
         return eligible or list(candidates)

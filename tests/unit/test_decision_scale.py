@@ -199,10 +199,10 @@ class _Reference(MinTtftPolicy):
         if len(candidates) == 1:
             return Decision(candidates[0].id, "only_candidate", estimates)
         private = self._private_holder(candidates, ctx.prompt_tokens)
-        eligible = self._within_load_cap(candidates, ctx.prompt_tokens, private)
+        longest_all = max(w.matched_tokens for w in candidates)
+        eligible = self._within_load_cap(candidates, ctx.prompt_tokens, private, longest_all)
         holder = self._private_holder(eligible, ctx.prompt_tokens)
         sticky = self._exploit(holder, eligible, estimates)
-        longest_all = max(w.matched_tokens for w in candidates)
         if sticky is not None:
             self._remember_ref(sticky.id, candidates)
             return Decision(sticky.id, self._why(sticky, longest_all), estimates)

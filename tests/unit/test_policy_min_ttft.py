@@ -335,8 +335,9 @@ def test_a_prefix_other_workers_hold_too_is_not_exploited() -> None:
 
 def test_several_holders_of_a_prefix_tie_at_random() -> None:
     # a prefix three workers hold is not private (no exploit): the near-tie band keeps
-    # it on its holders, ties among them at random
-    policy = MinTtftPolicy(exploit_ratio=0.5, affinity_factor=1.5)
+    # it on its holders, ties among them at random (the starving-worker rule off: with
+    # it, "cold", never chosen, would take one: the test below)
+    policy = MinTtftPolicy(exploit_ratio=0.5, affinity_factor=1.5, starve_share=0.0)
     views = [WorkerView(f"h{i}", matched_tokens=8000) for i in range(3)] + [WorkerView("cold")]
     seen = Counter(policy.select(ctx(views, prompt=10_000, seed=s)).worker_id for s in range(60))
     assert set(seen) == {"h0", "h1", "h2"}
@@ -543,3 +544,28 @@ def test_a_starving_worker_takes_a_shared_prefix_request_not_a_private_one() -> 
     assert policy.describe()["starve_share"] == 0.5
     with pytest.raises(ValueError):
         create_policy("min_ttft", starve_share=1.0)
+
+
+def test_at_light_load_too_a_starving_worker_takes_a_new_session() -> None:
+    """Four holders of a shared system prompt took every recent decision at light load
+    (one request in flight each, nothing queued: far from an even load's floor of 3).
+    A new session, whose match is the shared prompt, goes to the worker that took none:
+    on small caches the holders would evict each other's histories for it. A continuing
+    conversation (its history private to one holder) stays home; with the rule off, the
+    new session stays with the holders."""
+
+    def trained(**params: float) -> Policy:
+        policy = create_policy("min_ttft", **params)
+        for i in range(64):
+            views = [WorkerView(f"h{k}", matched_tokens=512) for k in range(4)]
+            policy.select(ctx([*views, WorkerView("idle")], seed=i))
+        return policy
+
+    holders = [
+        WorkerView(f"h{k}", in_flight=1, decoding_requests=1, matched_tokens=512) for k in range(4)
+    ]
+    new_session = ctx([*holders, WorkerView("idle")], prompt=512 + 256)
+    assert trained().select(new_session).worker_id == "idle"
+    assert trained(starve_share=0.0).select(new_session).worker_id != "idle"
+    home = [dataclasses.replace(holders[0], matched_tokens=3000), *holders[1:]]
+    assert trained().select(ctx([*home, WorkerView("idle")], 3300)).worker_id == "h0"
