@@ -132,7 +132,8 @@ class ShortlistHints:
     equal keys: the core's rotating order); ``matcher_cost``, (seconds per request in
     flight, seconds per queued prefill token): when more candidates match than the
     shortlist takes, those with equal matches are taken lowest ``a x in flight + b x
-    queued`` first (a queue-time estimate; None: fewest in flight first)."""
+    queued`` first (a queue-time estimate; None: fewest in flight first), equal ones by
+    ``load_key``."""
 
     must_see: Iterable[int] = ()
     load_key: Sequence[float] | None = None

@@ -143,7 +143,9 @@ matchers, the least loaded, the least queued, the most loaded, and what
 and up to ``shortlist_least_loaded`` starving workers, the fewest in flight first; among
 equally loaded workers the least loaded are taken lowest share first; among more
 holders of one match than the shortlist takes, the least queue time first, 5 ms per
-request in flight + 22 us per queued token, as their scores differ) with every
+request in flight + 22 us per queued token, as their scores differ, then as the least
+loaded: else with a starving worker the holders shown could all be above the fair share
+while one left out was kept) with every
 candidate's figures as columns (``RouteContext.fleet``). Every figure a rule reads
 across candidates is then the fleet's, not the shortlist's: the load lines (the total in
 flight over n), the fair share 1/n, the starving test (rule 1), the longest match and

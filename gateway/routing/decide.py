@@ -50,7 +50,7 @@ load; C-level passes over counters, no view), asks the policy for hints
 ones), and keeps: every candidate whose match is at least ``match_fraction`` of the
 longest on any candidate (the index's and exact mode's figures, before any view; at most
 ``max_matchers`` of them, the longest matches first, then the least loaded, or the
-least queue time by the policy's ``matcher_cost``), the
+least queue time by the policy's ``matcher_cost``; equal ones by its load key), the
 ``least_loaded`` candidates with the fewest requests in flight (the views' ``in_flight``:
 this gateway's and its peers'; or by the policy's load key, which orders equal counts;
 else equal counts from a point that moves by one each decision, so equal workers take
@@ -65,7 +65,9 @@ lowest and highest load) are by construction; ``min_ttft`` reads its load lines,
 share, starving test, longest match and private holder from the columns, and its share
 memory decays over every candidate (``policies/min_ttft.py``, "Large fleets", for what
 can still differ: a left-out worker with a lower score than every shown one). During a
-slow-start ramp (``gate``) the columns count the ramping workers the gate then drops.
+slow-start ramp (``gate``) the columns leave out the ramping workers the gate drops,
+as over every candidate (counted, a dropped joiner below half the fair share made the
+starving rule bind for a worker no request could reach, and its share decayed).
 Random ties among more equally loaded workers than the shortlist holds fall among those
 it holds. ``Choice.left_out`` counts the candidates left out (the decision record's
 candidates are the shortlist's); routing capture's *available* is unchanged (the
@@ -332,6 +334,8 @@ class RoutingCore:
         every = views
         if self.gate is not None:  # slow start: the candidates the policy sees
             views = list(self.gate.admit(views, now, self.rng))
+            if fleet is not None and len(views) < len(every):  # nor the fleet's columns
+                fleet = _without(fleet, {v.id for v in every} - {v.id for v in views})
         decision = self._select(req, views, policy, self.rng, fleet)
         worker = next((w for w in workers if w.id == decision.worker_id), workers[0])
         view = next((v for v in views if v.id == worker.id), None)
@@ -434,9 +438,8 @@ class RoutingCore:
             cap = settings.max_matchers
             if cap and len(holders) > cap:  # the longest first, then the least loaded
                 cost = None if hints is None else hints.matcher_cost
-                if cost is None:
-                    holders.sort(key=loads.__getitem__)
-                else:  # the policy's queue-time estimate
+                holders.sort(key=by_load.__getitem__)  # equal loads: the policy's order
+                if cost is not None:  # the policy's queue-time estimate (equal: as loaded)
                     per_request, per_token = cost
                     waits = map(per_request.__mul__, loads)
                     work = map(per_token.__mul__, queued)
@@ -579,6 +582,19 @@ class RoutingCore:
             known = reported if reported is not None else choice.matched_tokens
             uncached = max(0, req.prompt_tokens - known)
             self.costs.observe(wid, uncached, lease.queued_ahead, outcome.ttft_s)
+
+
+def _without(fleet: FleetFigures, dropped: set[str]) -> FleetFigures:
+    """``fleet``'s columns without the candidates ``dropped`` (by the slow-start gate:
+    not candidates of this decision, as over every candidate)."""
+    keep = [i for i, wid in enumerate(fleet.ids) if wid not in dropped]
+    return FleetFigures(
+        [fleet.ids[i] for i in keep],
+        [fleet.in_flight[i] for i in keep],
+        [fleet.queued_prefill_tokens[i] for i in keep],
+        [fleet.matched_tokens[i] for i in keep],
+        [fleet.engine_load[i] for i in keep],
+    )
 
 
 def reported_tiers(outcome: ResponseOutcome) -> CachedTiers | None:

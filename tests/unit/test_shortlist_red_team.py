@@ -1,0 +1,142 @@
+"""Red team of min_ttft over the routing core's shortlist of a large fleet (issue 22):
+states a misbehaving worker, an operator or an unlucky fleet produce, each decided
+shortlisted (above ``policy.shortlist_above``) and over every candidate, or checked
+against the eager share memory."""
+
+from __future__ import annotations
+
+import random
+
+from gateway.routing.cost_model import CostModel
+from gateway.routing.decide import Choice, RoutingCore, Shortlist
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.request import ApiKind, RouteRequest
+from gateway.workers.registry import Worker, WorkerRegistry
+from gateway.workers.slow_start import SlowStart
+from policies.min_ttft import MinTtftPolicy
+
+
+def _workers(n: int, port: int = 24000) -> list[Worker]:
+    registry = WorkerRegistry(0.5, lambda: 10.0)
+    for i in range(n):
+        worker, _ = registry.add(f"http://127.0.0.1:{port + i}", "sglang")
+        worker.flags.clear()
+    return list(registry.candidates())
+
+
+def _request(hashes: list[int], extra: int = 8) -> RouteRequest:
+    tokens = 16 * len(hashes) + extra
+    return RouteRequest(
+        kind=ApiKind.CHAT, model=None, stream=False, include_usage=False,
+        prompt_chars=4 * tokens, prompt_tokens=tokens, block_hashes=hashes, routing_key=None,
+        rid=None, body=b"{}",
+    )  # fmt: skip
+
+
+def _core(
+    above: int, shares: dict[str, float], gate: SlowStart | None = None
+) -> tuple[RoutingCore, PrefixIndex, MinTtftPolicy]:
+    policy = MinTtftPolicy()
+    policy._shares = dict(shares)
+    policy._touched = dict.fromkeys(shares, 1)
+    policy._decisions = 1000  # past the warm-up
+    index = PrefixIndex(block_tokens=16.0, max_blocks_per_worker=100_000)
+    core = RoutingCore(policy, index, CostModel(), random.Random(0))
+    core.shortlist = Shortlist(above=above)
+    core.gate = gate
+    return core, index, policy
+
+
+def _same(a: Choice, b: Choice) -> None:
+    assert (a.worker.id, a.decision.reason) == (b.worker.id, b.decision.reason)
+
+
+def test_a_ramping_worker_the_gate_drops_does_not_starve_the_fleet() -> None:
+    """Slow start drops a joining worker from the candidates the policy sees. Over every
+    candidate it is then no candidate: not starving, its share not decayed. Shortlisted,
+    the fleet's columns counted it: a joiner below half the fair share made the starving
+    rule bind for every prompt some worker holds, and the holders of a shared system
+    prompt (above the fair share, at light load) were skipped for a worker no request
+    could reach."""
+    workers = _workers(100)
+    joiner = workers[99]
+    shares = {w.id: 0.96 / 97 for w in workers}
+    holders = workers[10:12]
+    for w in workers:
+        w.in_flight, w.queued_prefill_tokens = 1, 50  # light load, nobody idle
+    for w in holders:
+        shares[w.id] = 0.02  # above the fair share 0.01, below the hot line
+    joiner.in_flight, joiner.queued_prefill_tokens = 0, 0
+    shares[joiner.id] = 0.0  # below half the fair share, nothing queued
+    system = list(range(1, 65))
+    req = _request([*system, 7000], extra=40)
+    choices = []
+    for above in (64, 0):
+        gate = SlowStart(window_s=1000.0, min_factor=0.0)  # drops it for now
+        gate.begin(joiner.id)
+        core, index, _ = _core(above, shares, gate)
+        for w in holders:
+            index.record(system, w.id, 0.0, pin=False)
+        choices.append(core.choose(req, workers, 10.0))
+        assert joiner.id not in [v.id for v in choices[-1].views]
+    shortlisted, full = choices
+    assert shortlisted.left_out > 0
+    _same(shortlisted, full)
+    assert full.worker in holders and full.decision.reason == "prefix_hit"
+
+
+def test_more_holders_than_the_shortlist_takes_show_one_the_rules_keep() -> None:
+    """Forty idle holders of a system prompt (more than ``max_matchers``, 32), equal
+    queue times; a worker starves, so the holders above the fair share are skipped.
+    Over every candidate the one holder below the fair share takes the request (a hit);
+    shortlisted, equal holders were taken in fleet order, the 32 shown were all above
+    the fair share and the request went to a non-holder (the prompt computed again).
+    Equal holders are now taken by the policy's load key (lowest share first), as
+    equally loaded workers are."""
+    n = 100
+    workers = _workers(n, port=24200)
+    for w in workers:
+        w.in_flight, w.queued_prefill_tokens = 0, 0
+    shares = {w.id: 0.55 / n for w in workers}  # below fair, none starving
+    holders = workers[60:]
+    for w in holders:
+        shares[w.id] = 2.0 / n  # above the fair share, below the hot line
+    keeper = holders[-1]
+    shares[keeper.id] = 0.6 / n  # below the fair share: kept while a worker starves
+    starving = workers[30]
+    shares[starving.id] = 0.0
+    system = list(range(1, 33))
+    req = _request([*system, 7100], extra=100)
+    choices = []
+    for above in (64, 0):
+        core, index, _ = _core(above, shares)
+        for w in holders:
+            index.record(system, w.id, 0.0, pin=False)
+        choices.append(core.choose(req, workers, 10.0))
+    shortlisted, full = choices
+    assert shortlisted.left_out > 0
+    assert full.worker is keeper and full.decision.reason == "prefix_hit"
+    _same(shortlisted, full)
+
+
+def test_a_ramping_worker_the_gate_drops_keeps_its_share() -> None:
+    """Decisions the gate kept a joiner out of do not decay its share, shortlisted or
+    not (it decayed every decision shortlisted, so the joiner was soon starving)."""
+    workers = _workers(100, port=24400)
+    joiner = workers[0]
+    for w in workers:
+        w.in_flight, w.queued_prefill_tokens = 1, 50
+    joiner.in_flight, joiner.queued_prefill_tokens = 0, 0  # shown: the least loaded
+    shares = {w.id: 0.01 for w in workers}
+    kept = []
+    for above in (64, 0):
+        gate = SlowStart(window_s=1000.0, min_factor=0.0)
+        gate.begin(joiner.id)
+        core, _, policy = _core(above, shares, gate)
+        for i in range(80):
+            choice = core.choose(_request([50_000 + i], extra=40), workers, 10.0)
+            assert choice.worker is not joiner
+        assert gate.dropped == 80
+        policy._settle()
+        kept.append(policy._shares[joiner.id])
+    assert kept == [0.01, 0.01]
