@@ -156,9 +156,11 @@ class PolicyConfig:
     ab_policy: str | None = None
     ab_fraction: float = 0.0
     # Candidate shortlist of a large fleet (gateway/routing/decide.py, Shortlist): above
-    # this many candidates, cache_aware sees only the best prefix matchers,
+    # this many candidates, cache_aware and min_ttft see only the best prefix matchers,
     # the `shortlist_least_loaded` least loaded (in flight; queued prefill) and the most
-    # loaded; 0 = never. Other policies see every candidate. Top-level only.
+    # loaded (min_ttft also its private holder and starving workers; its fleet-wide
+    # figures still come from every candidate); 0 = never. Other policies see every
+    # candidate. Top-level only.
     shortlist_above: int = 64
     shortlist_least_loaded: int = 16
 
