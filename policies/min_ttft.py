@@ -65,7 +65,10 @@ Then:
      worker above the fair share 1/n is hot, whatever its load, unless it holds this
      request's private prefix or the whole prompt; for a prompt nobody holds, only
      above an even load (at light load a cold prompt goes to the lowest score: a
-     slower worker is not made to take it). The plain line
+     slower worker is not made to take it), and so for the one worker holding the
+     longest match (a conversation moved once keeps an old copy elsewhere, which cuts
+     its holder's lead short of private: skipped at light load, it went to the idle
+     worker, its whole history computed again). The plain line
      1/n + ``hot_margin`` only stops a collapse onto one worker: k workers holding a
      system prompt every new session shares each take 1/k of the decisions, under the
      line for k >= 4 of 8, and the near-tie band gives them every new session (the
@@ -281,6 +284,7 @@ class _FleetRules:
     starving_workers: list[int]
     longest: int  # the longest match on any worker
     private: int | None  # the private holder over the fleet (step 2)
+    sole: str | None  # the id of the one worker holding the longest match, if one does
     stored: list[float]  # each worker's share of recent decisions as stored (x scale)
     scale: float  # the lazy decay of the fleet's stored shares (``_lazy_ids``; 1.0: none)
 
@@ -570,8 +574,9 @@ class MinTtftPolicy(Policy):
         starving = [i for i in idle if in_flight[i] < even and stored[i] < floor]
         longest = max(matched)
         private = _private_index(matched, longest, self._exploit_ratio * max(1, prompt_tokens))
+        sole = ids[matched.index(longest)] if longest > 0 and matched.count(longest) == 1 else None
         return _FleetRules(
-            cap, even, fair, bool(starving), starving, longest, private, stored, scale
+            cap, even, fair, bool(starving), starving, longest, private, sole, stored, scale
         )
 
     def _exploit(
@@ -626,6 +631,8 @@ class MinTtftPolicy(Policy):
         candidates'."""
         scale = 1.0
         starving: bool | None = None  # found when first needed: most decisions need not
+        sole: str | None = None  # the one holder of the longest match, if one
+        look = fleet is None and longest > 0  # over the candidates: found when first needed
         if fleet is None:
             n = len(candidates)
             total = sum(map(_IN_FLIGHT, candidates)) + 1
@@ -634,8 +641,8 @@ class MinTtftPolicy(Policy):
             # the starving-worker rule's line: an even share of the requests in flight
             even = max(math.ceil(total / n), self._load_cap_floor)
         else:
-            cap, even, fair, starving, scale = (
-                fleet.cap, fleet.even, fleet.fair, fleet.starving, fleet.scale
+            cap, even, fair, starving, scale, sole = (
+                fleet.cap, fleet.even, fleet.fair, fleet.starving, fleet.scale, fleet.sole
             )  # fmt: skip
         hot = fair + self._hot_margin
         siblings = self._sibling_tokens
@@ -645,9 +652,17 @@ class MinTtftPolicy(Policy):
         for w in candidates:
             load = w.in_flight + 1
             crowded = load > cap
-            if not crowded and load <= even and longest <= 0:
-                eligible.append(w)  # a prompt nobody holds, at most an even load here
-            elif crowded and self._memory_bound(w):
+            if not crowded and load <= even and (longest <= 0 or w.matched_tokens == longest):
+                if look:
+                    look = False
+                    matched = list(map(_MATCHED, candidates))
+                    if matched.count(longest) == 1:
+                        sole = candidates[matched.index(longest)].id
+                if longest <= 0 or w.id == sole:
+                    # a prompt nobody holds, or its one longest holder: at most an even load
+                    eligible.append(w)
+                    continue
+            if crowded and self._memory_bound(w):
                 continue  # crowded and queueing for KV: skipped whatever it holds
             elif w.matched_tokens > 0 and prompt_tokens - w.matched_tokens <= siblings:
                 eligible.append(w)  # holds the whole prompt: a sibling adds no prefill there

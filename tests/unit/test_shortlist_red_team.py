@@ -13,6 +13,7 @@ from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import ApiKind, RouteRequest
 from gateway.workers.registry import Worker, WorkerRegistry
 from gateway.workers.slow_start import SlowStart
+from policies.base import FleetFigures, RouteContext, WorkerView
 from policies.min_ttft import MinTtftPolicy
 
 
@@ -140,3 +141,52 @@ def test_a_ramping_worker_the_gate_drops_keeps_its_share() -> None:
         policy._settle()
         kept.append(policy._shares[joiner.id])
     assert kept == [0.01, 0.01]
+
+
+def _moved_conversation(n: int) -> tuple[list[WorkerView], dict[str, float]]:
+    """Light load; a long conversation was moved once: ``w1`` holds it up to the turn
+    before (2,800 tokens), ``w2`` up to this turn (2,950 of 3,050: a lead of 150, short
+    of private), three others the system prompt; ``w{n-1}`` idle and starving; the
+    holders above the fair share, far below the hot line."""
+    fair = 1.0 / n
+    views, shares = [], {}
+    for i in range(n):
+        match = {1: 2800, 2: 2950, 3: 256, 4: 256, 5: 256}.get(i, 0)
+        idle = i == n - 1
+        views.append(
+            WorkerView(
+                f"w{i}", in_flight=0 if idle else 1,
+                queued_prefill_tokens=0 if idle else 100, matched_tokens=match,
+            )
+        )  # fmt: skip
+        shares[f"w{i}"] = 0.2 * fair if idle else 1.2 * fair
+    shares["w2"] = 1.3 * fair
+    return views, shares
+
+
+def test_a_moved_conversation_stays_on_its_one_holder_at_light_load() -> None:
+    """The starving rule binds at any load for a prompt some worker holds part of
+    (b4a4635: against holders of a shared system prompt taking every new session). Its
+    one holder of the longest match, not private (an old copy of the conversation on
+    another worker cuts its lead), was then skipped at light load too and the
+    conversation sent to the idle worker, its 2,950 tokens computed again; it is spared
+    up to an even load, as before that change. Over every candidate and shortlisted."""
+    for n in (8, 100):
+        views, shares = _moved_conversation(n)
+        picks = []
+        fleets: list[FleetFigures | None] = [None]
+        if n > 64:
+            fleets.append(
+                FleetFigures(
+                    [v.id for v in views], [v.in_flight for v in views],
+                    [v.queued_prefill_tokens for v in views],
+                    [v.matched_tokens for v in views], [v.engine_load for v in views],
+                )
+            )  # fmt: skip
+        for fleet in fleets:
+            policy = MinTtftPolicy()
+            policy._shares, policy._decisions = dict(shares), 1000
+            shown = views if fleet is None else [*views[:8], views[-1]]
+            d = policy.select(RouteContext(3050, shown, random.Random(0), fleet=fleet))
+            picks.append((d.worker_id, d.reason))
+        assert set(picks) == {("w2", "prefix_hit")}, (n, picks)
