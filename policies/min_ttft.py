@@ -159,9 +159,11 @@ to the entries when the fleet changes, before a decision over every candidate, o
 the factor falls below 1e-150. Estimates, scores, rule 1's per-worker test and steps 2
 and 3 run over the shortlist only. The decision is the one over every candidate when the
 pick is in the shortlist; where it can differ: a worker left out whose score is below
-every shown one (a fitted cost or engine figures cheaper than every least loaded and least
-queued worker's), the private holder among the workers rule 1 keeps once the fleet's holder
-is skipped (looked for among the shortlist's, which holds the best matchers),
+every shown one rule 1 keeps (a fitted cost or engine figures cheaper than every least
+loaded and least queued worker's; a holder of a match at or below the fair share while a
+worker starves, with more queued than the holders shown, all above it), the private
+holder among the workers rule 1 keeps once the fleet's holder is skipped (looked for among
+the shortlist's, which holds the best matchers),
 ``free_sequences`` (the shortlist's), and random ties (among the shown). Without the
 fleet's figures, over the shortlist alone, the tail had tripled (BENCHMARKS.md, "Scale":
 256 workers, multi-turn, p99 TTFT 3.6 -> 12.0 s): its mean load (the least loaded) made
