@@ -65,9 +65,12 @@ lowest and highest load) are by construction; ``min_ttft`` reads its load lines,
 share, starving test, longest match and private holder from the columns, and its share
 memory decays over every candidate (``policies/min_ttft.py``, "Large fleets", for what
 can still differ: a left-out worker with a lower score than every shown one). During a
-slow-start ramp (``gate``) the columns leave out the ramping workers the gate drops,
-as over every candidate (counted, a dropped joiner below half the fair share made the
-starving rule bind for a worker no request could reach, and its share decayed).
+slow-start ramp (``gate``, while ``active``) the gate admits over every candidate first,
+with the same draws as without a shortlist, and the shortlist and the columns are of the
+admitted (after it, the columns counted the ramping workers it then dropped: a joiner
+below half the fair share made the starving rule bind for a worker no request could
+reach, and its share decayed each decision; routing capture's available stays over
+every candidate).
 Random ties among more equally loaded workers than the shortlist holds fall among those
 it holds. ``Choice.left_out`` counts the candidates left out (the decision record's
 candidates are the shortlist's); routing capture's *available* is unchanged (the
@@ -194,6 +197,8 @@ class ChainRecorder(Protocol):
 class CandidateGate(Protocol):
     """Which candidates a policy sees in one decision (``gateway.workers.slow_start``)."""
 
+    @property
+    def active(self) -> bool: ...  # a worker ramps (else ``admit`` keeps every view)
     def admit(
         self, views: Sequence[WorkerView], now: float, rng: random.Random
     ) -> Sequence[WorkerView]: ...
@@ -317,11 +322,17 @@ class RoutingCore:
         left_out = 0
         fleet: FleetFigures | None = None
         above = self.shortlist.above
+        gate, gated = self.gate, False
+        available: int | None = None  # over every candidate, when the gate ran first
         if above and len(workers) > above and self._shortlists(policies, policy):
-            fleet = self._fleet(workers, tokens)
-            shortlisted = self._shortlist(workers, fleet, policy, req.prompt_tokens)
-            left_out = len(workers) - len(shortlisted)
-            workers = shortlisted
+            if gate is not None and gate.active:  # slow start over every candidate first
+                available = max(map(tokens.get, map(_ID, workers), _ZERO))
+                workers, gated = self._admitted(gate, workers, tokens, now), True
+            if len(workers) > above:
+                fleet = self._fleet(workers, tokens)
+                shortlisted = self._shortlist(workers, fleet, policy, req.prompt_tokens)
+                left_out = len(workers) - len(shortlisted)
+                workers = shortlisted
         views = views_of(workers, now, tokens, self.costs.cost, self.index.free_sequences, setup)
         host_blocks: dict[str, int] = {}
         if exact_tokens or (matches and self.tiers is not None):
@@ -332,10 +343,8 @@ class RoutingCore:
         # routing capture's available is over every candidate (the shortlist holds the
         # longest match)
         every = views
-        if self.gate is not None:  # slow start: the candidates the policy sees
-            views = list(self.gate.admit(views, now, self.rng))
-            if fleet is not None and len(views) < len(every):  # nor the fleet's columns
-                fleet = _without(fleet, {v.id for v in every} - {v.id for v in views})
+        if gate is not None and not gated:  # slow start: the candidates the policy sees
+            views = list(gate.admit(views, now, self.rng))
         decision = self._select(req, views, policy, self.rng, fleet)
         worker = next((w for w in workers if w.id == decision.worker_id), workers[0])
         view = next((v for v in views if v.id == worker.id), None)
@@ -349,7 +358,7 @@ class RoutingCore:
         if indexed and self.tiers is not None and worker.id not in exact_tokens:
             choice.predicted_host_blocks = host_blocks.get(worker.id, 0)
         if indexed or exact is not None:
-            choice.available_tokens = max(map(_MATCHED, every))
+            choice.available_tokens = max(map(_MATCHED, every)) if available is None else available
         if policies.shadows and req.kind is not ApiKind.EMBEDDINGS:
             self._shadows(req, choice, policies, fleet)
         return choice
@@ -374,6 +383,15 @@ class RoutingCore:
         if exact_tokens:
             tokens.update(exact_tokens)  # exact mode's wins where it has a figure
         return tokens
+
+    def _admitted(
+        self, gate: CandidateGate, workers: Sequence[Worker], tokens: Mapping[str, int], now: float
+    ) -> Sequence[Worker]:
+        """The workers the slow-start gate admits, asked over every candidate in fleet
+        order as without a shortlist (the same draws): views of ids and matches only."""
+        light = [WorkerView(w.id, matched_tokens=tokens.get(w.id, 0)) for w in workers]
+        kept = {v.id for v in gate.admit(light, now, self.rng)}
+        return workers if len(kept) == len(workers) else [w for w in workers if w.id in kept]
 
     def _shortlists(self, policies: PolicySet, policy: Policy) -> bool:
         """Whether the policy (and every shadow that sees the same views) may be given
@@ -582,19 +600,6 @@ class RoutingCore:
             known = reported if reported is not None else choice.matched_tokens
             uncached = max(0, req.prompt_tokens - known)
             self.costs.observe(wid, uncached, lease.queued_ahead, outcome.ttft_s)
-
-
-def _without(fleet: FleetFigures, dropped: set[str]) -> FleetFigures:
-    """``fleet``'s columns without the candidates ``dropped`` (by the slow-start gate:
-    not candidates of this decision, as over every candidate)."""
-    keep = [i for i, wid in enumerate(fleet.ids) if wid not in dropped]
-    return FleetFigures(
-        [fleet.ids[i] for i in keep],
-        [fleet.in_flight[i] for i in keep],
-        [fleet.queued_prefill_tokens[i] for i in keep],
-        [fleet.matched_tokens[i] for i in keep],
-        [fleet.engine_load[i] for i in keep],
-    )
 
 
 def reported_tiers(outcome: ResponseOutcome) -> CachedTiers | None:

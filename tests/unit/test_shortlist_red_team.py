@@ -190,3 +190,29 @@ def test_a_moved_conversation_stays_on_its_one_holder_at_light_load() -> None:
             d = policy.select(RouteContext(3050, shown, random.Random(0), fleet=fleet))
             picks.append((d.worker_id, d.reason))
         assert set(picks) == {("w2", "prefix_hit")}, (n, picks)
+
+
+def test_a_ramping_worker_left_out_of_the_shortlist_is_no_candidate_either() -> None:
+    """A joiner the shortlist leaves out (as loaded as most, not the first most loaded)
+    was still in the fleet's columns: counted in the fair share and load lines, its share
+    decayed each decision though the gate would have dropped it, and its ramp did not
+    start (the gate saw only the shortlist). The gate now admits over every candidate
+    first, as without a shortlist."""
+    workers = _workers(100, port=24600)
+    joiner = workers[-1]
+    for i, w in enumerate(workers):
+        idle = 40 <= i < 60
+        w.in_flight, w.queued_prefill_tokens = (0, 0) if idle else (1, 50)
+    shares = {w.id: 0.01 for w in workers}
+    kept, dropped = [], []
+    for above in (64, 0):
+        gate = SlowStart(window_s=1000.0, min_factor=0.0)
+        gate.begin(joiner.id)
+        core, _, policy = _core(above, shares, gate)
+        for i in range(80):
+            choice = core.choose(_request([60_000 + i], extra=40), workers, 10.0)
+            assert joiner.id not in [v.id for v in choice.views]
+        policy._settle()
+        kept.append(policy._shares[joiner.id])
+        dropped.append(gate.dropped)
+    assert kept == [0.01, 0.01] and dropped == [80, 80]
