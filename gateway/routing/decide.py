@@ -118,6 +118,7 @@ _PEER_QUEUED = operator.attrgetter("peer_queued_prefill_tokens")
 _ENGINE = operator.attrgetter("engine_load")
 _UNCACHED = itertools.repeat("waiting_uncached_tokens")
 _ZERO = itertools.repeat(0)
+_NO_COST = WorkerCost()
 
 # Policies whose reads across the candidates were checked for the shortlist (module
 # contract, "Candidate shortlist"); any other sees every candidate. ``min_ttft`` reads
@@ -389,7 +390,8 @@ class RoutingCore:
     ) -> Sequence[Worker]:
         """The workers the slow-start gate admits, asked over every candidate in fleet
         order as without a shortlist (the same draws): views of ids and matches only."""
-        light = [WorkerView(w.id, matched_tokens=tokens.get(w.id, 0)) for w in workers]
+        match, cost = tokens.get, _NO_COST  # positional, one cost: built per candidate
+        light = [WorkerView(w.id, 0, 0, 0, None, None, match(w.id, 0), 0, cost) for w in workers]
         kept = {v.id for v in gate.admit(light, now, self.rng)}
         return workers if len(kept) == len(workers) else [w for w in workers if w.id in kept]
 
