@@ -34,6 +34,7 @@ from gateway.config.workerspec import LLAMACPP, OPENAI, SGLANG, VLLM
 from gateway.workers.registry import WorkerMetadata
 from gateway.workers.replies import (
     LoadReading,
+    gauge_count,
     parse_server_info,
     parse_sglang_load,
     parse_sglang_rank_loads,
@@ -84,6 +85,12 @@ def kind_from_models(body: Any) -> str:
 def _model_entries(body: Any) -> list[Mapping[str, Any]]:
     data = body.get("data") if isinstance(body, dict) else None
     return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+
+
+def _figure_or_0(value: float | None) -> float:
+    """A usage fraction as read: 0 when absent, NaN or negative (infinite: capped by the
+    caller)."""
+    return value if value is not None and value > 0 else 0.0  # NaN > 0 is false
 
 
 def _int(value: Any) -> int | None:
@@ -197,8 +204,8 @@ class LlamaCppKind:
         if "llamacpp:requests_processing" not in gauges:
             return None
         load = EngineLoad(
-            running_requests=int(gauges["llamacpp:requests_processing"]),
-            waiting_requests=int(gauges.get("llamacpp:requests_deferred", 0.0)),
+            running_requests=gauge_count(gauges, "llamacpp:requests_processing"),
+            waiting_requests=gauge_count(gauges, "llamacpp:requests_deferred"),
         )
         return load, None
 
@@ -239,9 +246,9 @@ class VllmKind:
             return None
         usage = gauges.get("vllm:kv_cache_usage_perc", gauges.get("vllm:gpu_cache_usage_perc"))
         load = EngineLoad(
-            running_requests=int(gauges["vllm:num_requests_running"]),
-            waiting_requests=int(gauges.get("vllm:num_requests_waiting", 0.0)),
-            token_usage=min(1.0, max(0.0, usage or 0.0)),
+            running_requests=gauge_count(gauges, "vllm:num_requests_running"),
+            waiting_requests=gauge_count(gauges, "vllm:num_requests_waiting"),
+            token_usage=min(1.0, _figure_or_0(usage)),
         )
         return load, _vllm_capacity(raw)
 

@@ -133,6 +133,12 @@ def _figure(value: object) -> float | None:
     return float(value) if 0 <= value <= _MAX_FIGURE else None  # NaN fails both
 
 
+def gauge_count(gauges: Mapping[str, float], name: str) -> int:
+    """A Prometheus gauge read as a request count: 0 when absent or no load figure (NaN,
+    infinite, negative, over 2**53), so one bad sample never stops the readings."""
+    return int(_figure(gauges.get(name)) or 0.0)
+
+
 def _num(entry: Mapping[str, Any], key: str) -> float:
     return _figure(entry.get(key)) or 0.0
 

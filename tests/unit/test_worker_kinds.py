@@ -112,6 +112,27 @@ def test_vllm_metrics_give_queue_usage_and_kv_size() -> None:
     assert meta is not None and meta.model == "meta/llama"
 
 
+@pytest.mark.parametrize("bad", ["NaN", "+Inf", "-Inf", "-3", "1e300"])
+def test_a_gauge_that_is_no_count_reads_as_none_and_never_stops_the_poll(bad: str) -> None:
+    """A misbehaving vLLM or llama.cpp worker: the figure is 0, the reading still made
+    (``int()`` of NaN or infinity raised, and the worker's last figures stayed for good)."""
+    vllm = (
+        f"vllm:num_requests_running {bad}\nvllm:num_requests_waiting {bad}\n"
+        f"vllm:kv_cache_usage_perc {bad}\n"
+    ).encode()
+    reading = kind_named(VLLM).parse_load("/metrics", vllm)
+    assert reading is not None
+    load = reading[0]
+    assert (load.running_requests, load.waiting_requests) == (0, 0)
+    assert 0.0 <= load.token_usage <= 1.0
+    llama = f"llamacpp:requests_processing {bad}\nllamacpp:requests_deferred {bad}\n".encode()
+    reading = kind_named(LLAMACPP).parse_load("/metrics", llama)
+    assert reading is not None and (reading[0].running_requests, reading[0].waiting_requests) == (
+        0,
+        0,
+    )
+
+
 def test_sglang_kind_keeps_the_existing_parsers() -> None:
     kind = kind_named(SGLANG)
     body = {"loads": [{"num_running_reqs": 2, "num_waiting_reqs": 1, "max_total_num_tokens": 9}]}
