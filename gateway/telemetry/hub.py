@@ -186,6 +186,8 @@ def _end_span(
         attrs["gateway.worker"] = record.worker
         attrs["gateway.reason"] = record.reason
         attrs["gateway.candidates"] = len(record.candidates)
+        if record.left_out:  # a large fleet's shortlist: the candidates it did not show
+            attrs["gateway.candidates_left_out"] = record.left_out
         attrs["gateway.matched_tokens"] = record.matched_tokens
         attrs["gateway.prompt_tokens"] = record.prompt_tokens
         if record.available_tokens is not None:

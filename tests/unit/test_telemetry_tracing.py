@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Iterator
 
@@ -73,9 +74,20 @@ def test_one_span_per_request_with_attributes(
     assert attrs["gateway.matched_tokens"] == 32
     assert attrs["gateway.reported_cached_tokens"] == 30
     assert attrs["gateway.candidates"] == 3
+    assert "gateway.candidates_left_out" not in attrs  # no shortlist
     assert attrs["gateway.retries"] == 1
     assert attrs["gateway.ttft_s"] == 0.125
     assert attrs["http.response.status_code"] == 200
+
+
+def test_a_shortlisted_decision_says_how_many_candidates_were_left_out(
+    traced: Telemetry, exporter: InMemorySpanExporter
+) -> None:
+    rt = traced.begin_request("req-big", ROUTE, "tiny-model")
+    rt.decided(dataclasses.replace(record("w1"), left_out=253))
+    rt.finish(200)
+    attrs = dict(exporter.get_finished_spans()[0].attributes or {})
+    assert (attrs["gateway.candidates"], attrs["gateway.candidates_left_out"]) == (3, 253)
 
 
 def test_traceparent_injected_and_incoming_parent_honoured(
