@@ -29,9 +29,7 @@ async def _pd_fleet(
     async with (
         await SimulatedFleet.start(prefills, pconf) as pf,
         await SimulatedFleet.start(decodes, dconf) as df,
-        run_gateway(
-            [], pd__enabled=True, pd__prefill=pf.urls, pd__decode=df.urls, **gateway
-        ) as gw,
+        run_gateway([], pd__enabled=True, pd__prefill=pf.urls, pd__decode=df.urls, **gateway) as gw,
     ):
         for _ in range(500):  # the first probes (and the bootstrap ports they learn)
             if gw.registry.healthy_count() == prefills + decodes:
