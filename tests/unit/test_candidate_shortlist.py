@@ -10,38 +10,30 @@ from __future__ import annotations
 import random
 
 import pytest
+from shortlist_fleet import chat_request, healthy_fleet
 
 from gateway.routing.cost_model import CostModel
 from gateway.routing.decide import Choice, RoutingCore, Shortlist
 from gateway.routing.prefix_index import PrefixIndex
-from gateway.routing.request import ApiKind, RouteRequest
-from gateway.workers.registry import Worker, WorkerRegistry
+from gateway.workers.registry import Worker
 from policies.base import EngineLoad
 from policies.registry import create_policy
 
 
 def _fleet(n: int, seed: int = 3) -> list[Worker]:
-    registry = WorkerRegistry(0.5, lambda: 10.0)
     rng = random.Random(seed)
-    for i in range(n):
-        worker, _ = registry.add(f"http://127.0.0.1:{21000 + i}", "sglang")
-        worker.flags.clear()
+    fleet = healthy_fleet(n, 21000)
+    for i, worker in enumerate(fleet):
         worker.in_flight = 2 + rng.randrange(6)
         worker.queued_prefill_tokens = 500 + rng.randrange(4000)
         worker.decoding_requests = rng.randrange(2)
         if i % 3:
             worker.engine_load = EngineLoad(1, 1, 800 + rng.randrange(3000), 0.3)
             worker.load_read_at = 9.0
-    return list(registry.candidates())
+    return fleet
 
 
-def _request(hashes: list[int]) -> RouteRequest:
-    tokens = 16 * len(hashes) + 8
-    return RouteRequest(
-        kind=ApiKind.CHAT, model=None, stream=False, include_usage=False,
-        prompt_chars=4 * tokens, prompt_tokens=tokens, block_hashes=hashes, routing_key=None,
-        rid=None, body=b"{}",
-    )  # fmt: skip
+_request = chat_request
 
 
 def _core(policy: str, shortlist: Shortlist | None = None) -> tuple[RoutingCore, PrefixIndex]:

@@ -10,12 +10,13 @@ import math
 import random
 
 import pytest
+from shortlist_fleet import chat_request, healthy_fleet
 
 from gateway.routing.cost_model import CostModel
 from gateway.routing.decide import Choice, RoutingCore, Shortlist
 from gateway.routing.prefix_index import PrefixIndex
-from gateway.routing.request import ApiKind, RouteRequest
-from gateway.workers.registry import Worker, WorkerRegistry
+from gateway.routing.request import RouteRequest
+from gateway.workers.registry import Worker
 from policies.base import EngineLoad, FleetFigures, RouteContext, WorkerView
 from policies.min_ttft import MinTtftPolicy
 
@@ -23,24 +24,16 @@ N = 120  # above the default threshold (64)
 
 
 def _fleet(n: int, seed: int) -> list[Worker]:
-    registry = WorkerRegistry(0.5, lambda: 10.0)
     rng = random.Random(seed)
-    for i in range(n):
-        worker, _ = registry.add(f"http://127.0.0.1:{23000 + i}", "sglang")
-        worker.flags.clear()
+    fleet = healthy_fleet(n, 23000)
+    for worker in fleet:
         worker.in_flight = 2 + rng.randrange(4)
         worker.queued_prefill_tokens = 200 * worker.in_flight + rng.randrange(50)
         worker.decoding_requests = rng.randrange(2)
-    return list(registry.candidates())
+    return fleet
 
 
-def _request(hashes: list[int], extra: int = 8) -> RouteRequest:
-    tokens = 16 * len(hashes) + extra
-    return RouteRequest(
-        kind=ApiKind.CHAT, model=None, stream=False, include_usage=False,
-        prompt_chars=4 * tokens, prompt_tokens=tokens, block_hashes=hashes, routing_key=None,
-        rid=None, body=b"{}",
-    )  # fmt: skip
+_request = chat_request
 
 
 def _cores(shares: dict[str, float]) -> list[tuple[RoutingCore, PrefixIndex, MinTtftPolicy]]:

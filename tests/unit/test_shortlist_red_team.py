@@ -7,31 +7,22 @@ from __future__ import annotations
 
 import random
 
+from shortlist_fleet import chat_request, healthy_fleet
+
 from gateway.routing.cost_model import CostModel
 from gateway.routing.decide import Choice, RoutingCore, Shortlist
 from gateway.routing.prefix_index import PrefixIndex
-from gateway.routing.request import ApiKind, RouteRequest
-from gateway.workers.registry import Worker, WorkerRegistry
+from gateway.workers.registry import Worker
 from gateway.workers.slow_start import SlowStart
 from policies.base import FleetFigures, RouteContext, WorkerView
 from policies.min_ttft import MinTtftPolicy
 
 
 def _workers(n: int, port: int = 24000) -> list[Worker]:
-    registry = WorkerRegistry(0.5, lambda: 10.0)
-    for i in range(n):
-        worker, _ = registry.add(f"http://127.0.0.1:{port + i}", "sglang")
-        worker.flags.clear()
-    return list(registry.candidates())
+    return healthy_fleet(n, port)
 
 
-def _request(hashes: list[int], extra: int = 8) -> RouteRequest:
-    tokens = 16 * len(hashes) + extra
-    return RouteRequest(
-        kind=ApiKind.CHAT, model=None, stream=False, include_usage=False,
-        prompt_chars=4 * tokens, prompt_tokens=tokens, block_hashes=hashes, routing_key=None,
-        rid=None, body=b"{}",
-    )  # fmt: skip
+_request = chat_request
 
 
 def _core(
