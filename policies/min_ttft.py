@@ -85,7 +85,9 @@ Then:
      multi-turn on 32,768-token workers, BENCHMARKS.md "Live: every workload x every
      rule": 3 of 8 workers served all 384 requests, cached .662-.670 against
      ``cache_aware``'s .730; with the load left out for prompts some worker holds
-     part of, .766). 0 turns the rule off.
+     part of, .766). The price: at light load a starving worker that is slower than
+     the holders still takes requests sharing their prefix, until its share is back at
+     ``starve_share`` x fair. 0 turns the rule off.
 2. Exploit (after Preble's E2 rule, with load in time units): let ``private`` be the
    part of the longest match that no other remaining candidate holds (longest match
    minus the best match on any other candidate: 0 when two or more hold the longest).
