@@ -10,10 +10,9 @@ import math
 import random
 
 import pytest
-from shortlist_fleet import chat_request, healthy_fleet
+from shortlist_fleet import chat_request, healthy_fleet, min_ttft_core
 
-from gateway.routing.cost_model import CostModel
-from gateway.routing.decide import Choice, RoutingCore, Shortlist
+from gateway.routing.decide import Choice, RoutingCore
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import RouteRequest
 from gateway.workers.registry import Worker
@@ -38,17 +37,7 @@ _request = chat_request
 
 def _cores(shares: dict[str, float]) -> list[tuple[RoutingCore, PrefixIndex, MinTtftPolicy]]:
     """Two cores with the same share memory: shortlisted above 64, and never."""
-    out = []
-    for above in (64, 0):
-        policy = MinTtftPolicy()
-        policy._shares = dict(shares)
-        policy._touched = dict.fromkeys(shares, 1)
-        policy._decisions = 1000  # past the warm-up
-        index = PrefixIndex(block_tokens=16.0, max_blocks_per_worker=100_000)
-        core = RoutingCore(policy, index, CostModel(), random.Random(0))
-        core.shortlist = Shortlist(above=above)
-        out.append((core, index, policy))
-    return out
+    return [min_ttft_core(above, shares) for above in (64, 0)]
 
 
 def _both(

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import random
 
-from shortlist_fleet import chat_request, healthy_fleet
+from shortlist_fleet import chat_request, healthy_fleet, min_ttft_core
 
-from gateway.routing.cost_model import CostModel
-from gateway.routing.decide import Choice, RoutingCore, Shortlist
-from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.decide import Choice
 from gateway.workers.registry import Worker
 from gateway.workers.slow_start import SlowStart
 from policies.base import FleetFigures, RouteContext, WorkerView
@@ -25,18 +23,7 @@ def _workers(n: int, port: int = 24000) -> list[Worker]:
 _request = chat_request
 
 
-def _core(
-    above: int, shares: dict[str, float], gate: SlowStart | None = None
-) -> tuple[RoutingCore, PrefixIndex, MinTtftPolicy]:
-    policy = MinTtftPolicy()
-    policy._shares = dict(shares)
-    policy._touched = dict.fromkeys(shares, 1)
-    policy._decisions = 1000  # past the warm-up
-    index = PrefixIndex(block_tokens=16.0, max_blocks_per_worker=100_000)
-    core = RoutingCore(policy, index, CostModel(), random.Random(0))
-    core.shortlist = Shortlist(above=above)
-    core.gate = gate
-    return core, index, policy
+_core = min_ttft_core
 
 
 def _same(a: Choice, b: Choice) -> None:
