@@ -285,6 +285,21 @@ class _Routing:
     prefill: PrefillGate
 
 
+def _soon(callback: Callable[[], None]) -> Callable[[], None]:
+    """A schedule that runs ``callback`` at the running event loop's next turn (at once
+    when no loop runs: a tool driving the gateway's objects by hand)."""
+
+    def schedule() -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            callback()
+            return
+        loop.call_soon(callback)
+
+    return schedule
+
+
 def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
     block_tokens = config.request.block_chars / config.request.chars_per_token  # the prior
     index = PrefixIndex(
@@ -294,6 +309,9 @@ def _routing_state(config: GatewayConfig, registry: WorkerRegistry) -> _Routing:
         ),
         clock=registry.clock,
     )
+    # a dispatch's index bookkeeping waits for the event loop's next turn (see
+    # "Deferred recording" in gateway.routing.prefix_index)
+    index.defer(_soon(index.flush))
     costs = CostModel()
 
     def seconds_per_block(worker_id: str) -> float | None:

@@ -103,6 +103,26 @@ tokens and holds running requests' KV there). Memory: the host dict is bounded b
 capacity as the LRU is by its own (both capped by ``max_blocks_per_worker``). The tier
 adds about 130 lines to the class for the reason above: its blocks share the invariant.
 
+Deferred recording (``defer``; the live gateway's mode): a pinned recording's work is
+proportional to the whole prompt (every held block is moved to the pins, every new block
+evicts one from the front of the LRU), and at 256 workers the index's millions of
+entries make each of those dict operations a cache miss: 0.4-1 ms for a 1,000-block
+prompt, on the request's path (``python -m loadtests.micro.decision --phases``).
+Deferred, ``record`` does on the path only what the next ``match`` needs to co-locate:
+the worker's holder bit on the blocks past its held prefix (found by bisection, as
+``match`` does; a prompt that extends a held conversation marks only its new turn). The
+rest (pins, LRU, eviction, host tier, sequence bookkeeping) is queued and done by
+``flush``, which the owner schedules to run as soon as the event loop is free
+(``call_soon``: once the request's task waits, normally for the worker), and which every
+other public method runs first (so ``correct``, ``stats``, ``forget_worker`` and the
+rest see the index exactly as if nothing had been deferred; ``match``,
+``free_sequences``, ``held_sequences`` and ``capacity_blocks``, which a deferred
+recording does not change, do not wait for it). Until then a marked block may be in none
+of ``pins``, ``lru`` and ``host``, and the blocks the queued recordings will evict still
+count in a ``match``: for the time between a dispatch and the next turn of the event
+loop. Sequence-bounded workers and unpinned recordings are never deferred. At most
+``_MAX_PENDING`` recordings wait; past that the oldest is done at once.
+
 Not thread-safe; used from one event loop (or one replay) only. Times are seconds on one
 monotonic clock (``time.monotonic`` unless the caller passes ``now``).
 """
@@ -112,7 +132,7 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -137,6 +157,8 @@ DEFAULT_PIN_TTL_S = 300.0
 # the floor (a GPU holding under a tenth of the recorded prompts is no longer a tier).
 _SHARE_STEP = 0.02
 _MIN_DEVICE_SHARE = 0.1
+# Bound on deferred recordings waiting for ``flush`` (see "Deferred recording").
+_MAX_PENDING = 256
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -220,6 +242,24 @@ class PrefixIndex:
         self._names: dict[int, str] = {}  # bit -> worker id
         self._free_bits: list[int] = []
         self._next_bit = 1
+        # deferred recordings (chain, worker id, time), oldest first; ``_schedule`` asks
+        # the owner to run ``flush`` soon (None: nothing is deferred)
+        self._pending: deque[tuple[Sequence[int], str, float]] = deque()
+        self._schedule: Callable[[], None] | None = None
+
+    def defer(self, schedule: Callable[[], None] | None) -> None:
+        """Defer pinned recordings' bookkeeping (see "Deferred recording"); ``schedule``
+        is called when the first recording waits, and must get ``flush`` run soon (the
+        live gateway: ``loop.call_soon``). None: record at once again (after a flush)."""
+        self.flush()
+        self._schedule = schedule
+
+    def flush(self) -> None:
+        """Do the deferred recordings' bookkeeping, oldest first."""
+        pending = self._pending
+        while pending:
+            hashes, worker_id, t = pending.popleft()
+            self._record(hashes, worker_id, t, True)
 
     # --- configuration ---------------------------------------------------------------
 
@@ -235,6 +275,8 @@ class PrefixIndex:
         on a worker whose blocks were recorded without the bound forgets those blocks (no
         chain is known for them), and None removes the bound.
         """
+        if self._pending:
+            self.flush()
         state = self._state(worker_id)
         if capacity_tokens is not None:
             state.capacity_tokens = capacity_tokens
@@ -264,6 +306,8 @@ class PrefixIndex:
         """The worker's engine tokens per block, as learnt from its answers
         (``routing.tokens``): its capacity in blocks and the corrections from its
         ``cached_tokens`` follow. Shrinking evicts at once."""
+        if self._pending:
+            self.flush()
         if block_tokens <= 0:
             raise ValueError("block_tokens must be positive")
         state = self._state(worker_id)
@@ -340,11 +384,39 @@ class PrefixIndex:
     ) -> None:
         """Believe ``worker_id`` holds these blocks (called at dispatch); refresh its LRU.
         ``pin=False`` for a recording whose end this index will never hear of (a peer
-        gateway's, a snapshot's): its blocks go straight into the LRU."""
+        gateway's, a snapshot's): its blocks go straight into the LRU. Pinned, it may be
+        deferred (see "Deferred recording")."""
         if not block_hashes:
             return
-        state = self._state(worker_id)
         t = self._clock() if now is None else now
+        if pin and self._schedule is not None:
+            state = self._state(worker_id)
+            if state.max_sequences is None:
+                self._mark(state, block_hashes)
+                pending = self._pending
+                pending.append((block_hashes, worker_id, t))
+                if len(pending) == 1:
+                    self._schedule()
+                elif len(pending) > _MAX_PENDING:
+                    self._record(*pending.popleft(), True)
+                return
+        if self._pending:
+            self.flush()
+        self._record(block_hashes, worker_id, t, pin)
+
+    def _mark(self, state: _WorkerBlocks, block_hashes: Sequence[int]) -> None:
+        """A deferred recording's part on the request's path: the worker's holder bit
+        on the blocks past its held prefix (prefix-closed: found by bisection)."""
+        holders, bit = self._holders, state.bit
+        get = holders.get
+        held = bisect_left(
+            range(len(block_hashes)), True, key=lambda i: not get(block_hashes[i], 0) & bit
+        )
+        for h in block_hashes[held:]:
+            holders[h] = get(h, 0) | bit
+
+    def _record(self, block_hashes: Sequence[int], worker_id: str, t: float, pin: bool) -> None:
+        state = self._state(worker_id)
         if state.host:
             self._load_back(state, block_hashes)
         lru, holders, bit = state.lru, self._holders, state.bit
@@ -487,6 +559,8 @@ class PrefixIndex:
         """The worker's host-only tier in tokens (HiCache: what its host pool keeps beyond
         copies of GPU blocks); None or 0: no host tier, its host blocks forgotten.
         Shrinking drops the first demoted blocks at once."""
+        if self._pending:
+            self.flush()
         if host_tokens is not None and host_tokens < 0:
             raise ValueError("host_tokens must be >= 0")
         state = self._state(worker_id)
@@ -546,6 +620,8 @@ class PrefixIndex:
         """Of the worker's ``matched`` leading blocks of ``block_hashes`` (``match``'s
         answer), how many are believed on its GPU; the rest are on its host tier. The
         device part is prefix-closed (see "Host tier"): O(log matched) lookups."""
+        if self._pending:
+            self.flush()
         state = self._workers.get(worker_id)
         matched = max(0, min(matched, len(block_hashes)))
         if state is None or not state.host or matched == 0:
@@ -567,6 +643,8 @@ class PrefixIndex:
         (the share shrinks by ``_SHARE_STEP``); longer than believed while a host part was
         predicted, that it holds more (the share grows, up to 1). Workers with no host
         tier are left alone (their ``cached_tokens`` already correct the index)."""
+        if self._pending:
+            self.flush()
         state = self._workers.get(worker_id)
         if state is None or not state.host_capacity or state.capacity_tokens is None:
             return
@@ -583,6 +661,8 @@ class PrefixIndex:
 
     def tiers(self, worker_id: str) -> tuple[int, int, float]:
         """(device blocks, host blocks, device share) believed for the worker."""
+        if self._pending:
+            self.flush()
         state = self._workers.get(worker_id)
         if state is None:
             return 0, 0, 1.0
@@ -591,6 +671,8 @@ class PrefixIndex:
     # --- forget / correct / evict ----------------------------------------------------
 
     def forget_worker(self, worker_id: str) -> None:
+        if self._pending:
+            self.flush()
         state = self._workers.pop(worker_id, None)
         if state is None:
             return
@@ -609,6 +691,8 @@ class PrefixIndex:
         """The response for this recording ended without a cached-token report: unpin it
         (the engine unlocks the path) without correcting anything. Without this, such
         recordings stay pinned, and their block lists held, until the pin expires."""
+        if self._pending:
+            self.flush()
         state = self._workers.get(worker_id)
         if state is None or state.max_sequences is not None or not block_hashes:
             return
@@ -625,6 +709,8 @@ class PrefixIndex:
         now: float | None = None,
     ) -> None:
         """Feed back the worker's reported ``cached_tokens`` for a prompt (see module)."""
+        if self._pending:
+            self.flush()
         state = self._workers.get(worker_id)
         if state is None:
             return
@@ -673,6 +759,8 @@ class PrefixIndex:
 
     def evict_idle(self, now: float, max_idle_s: float) -> int:
         """Drop blocks untouched for ``max_idle_s`` seconds; return how many were dropped."""
+        if self._pending:
+            self.flush()
         if max_idle_s <= 0 or math.isinf(max_idle_s):
             return 0
         horizon, dropped = now - max_idle_s, 0
@@ -693,6 +781,8 @@ class PrefixIndex:
     # --- introspection ---------------------------------------------------------------
 
     def stats(self, worker_id: str) -> IndexStats:
+        if self._pending:
+            self.flush()
         state = self._workers.get(worker_id)
         if state is None:
             return IndexStats(0, 0, 0, 0)
@@ -707,6 +797,8 @@ class PrefixIndex:
     def blocks(self, worker_id: str) -> list[int]:
         """The worker's believed blocks, most recently used first (a snapshot for
         ``gateway.peers.state``: recording them in this order rebuilds the LRU)."""
+        if self._pending:
+            self.flush()
         state = self._workers.get(worker_id)
         if state is None:
             return []

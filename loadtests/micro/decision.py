@@ -7,7 +7,11 @@ What is timed, per request, is what ``gateway.routing.router.Router.handle`` doe
 a parsed request and sending it: ``RoutingCore.estimate``, ``WorkerRegistry.candidates``,
 ``RoutingCore.choose`` (views with the index match, the policy's ``select``),
 ``RoutingCore.dispatch`` (the recording in the index, the lease) and the decision record
-(``DecisionRecord.from_decision``, the router's extra fields, ``DecisionLog.add``). Wall
+(``DecisionRecord.from_decision``, the router's extra fields, ``DecisionLog.add``). As
+live, the index defers a recording's bookkeeping (``PrefixIndex.defer``: only the holder
+marks on the request's path); the rest, ``PrefixIndex.flush``, which the gateway runs at
+the event loop's next turn, runs after each decision here and is timed apart (the table's
+last column); ``--record-at-once`` puts it back on the decision's path. Wall
 time of each decision with ``time.perf_counter_ns``, the garbage collector on (as live);
 p50 / p99 / max over ``--requests`` decisions after ``--warmup`` untimed ones. Not timed:
 parsing and hashing the body (``loadtests.micro.index`` measures those), telemetry hooks,
@@ -190,6 +194,7 @@ class Decider:
         seed: int,
         in_flight_per_worker: int,
         shortlist: Shortlist | None = None,
+        deferred: bool = True,
     ) -> None:
         self.fleet = fleet
         self.core = RoutingCore(
@@ -202,6 +207,11 @@ class Decider:
         )
         if shortlist is not None:
             self.core.shortlist = shortlist
+        # as live (``gateway.app``): the recording's bookkeeping waits for ``flush``,
+        # which ``run`` calls after each decision, timed apart (``deferred``); False:
+        # recorded at once, on the decision's path
+        fleet.index.defer((lambda: None) if deferred else None)
+        self.deferred: list[int] = []  # CPU ns of each timed decision's flush
         self.left_out = 0  # candidates the shortlist left out, over the timed decisions
         self.log = DecisionLog()
         self.outstanding: deque[tuple[RouteRequest, Choice, Lease]] = deque()
@@ -277,10 +287,13 @@ class Decider:
             w1, c1 = wall(), cpu()
             if profiler is not None:
                 profiler.disable()
+            self.fleet.index.flush()  # the event loop's next turn
+            c2 = cpu()
             self.outstanding.append(outcome)
             if timed:
                 walls.append(w1 - w0)
                 cpus.append(c1 - c0)
+                self.deferred.append(c2 - c1)
                 self.left_out += outcome[1].left_out
         return walls, cpus
 
@@ -329,6 +342,8 @@ class Row:
     tracked_k: float  # objects the collector tracks after them, thousands
     full_gc_cpu_ms: float  # CPU time of one full collection forced then
     seen: float  # mean candidates the policy saw (all of them without a shortlist)
+    deferred_p50_us: float  # CPU of the index bookkeeping after the decision (``flush``)
+    deferred_p99_us: float
 
 
 def _pct(sorted_ns: Sequence[int], q: float) -> float:
@@ -342,7 +357,9 @@ def measure(
     profile: bool = False,
 ) -> Row:
     shortlist = Shortlist(args.shortlist_above, args.shortlist_least_loaded)
-    decider = Decider(fleet, policy, args.seed, args.in_flight, shortlist)
+    decider = Decider(
+        fleet, policy, args.seed, args.in_flight, shortlist, deferred=not args.record_at_once
+    )
     sample = make_requests(fleet, 300, args.system_prompts, args.seed + 3)
     holders = statistics.fmean(len(fleet.index.match(r.block_hashes)) for r in sample)
     decider.run(make_requests(fleet, args.warmup, args.system_prompts, args.seed + 1), False)
@@ -372,6 +389,7 @@ def measure(
     full_gc_cpu_s = time.thread_time() - c0
     while decider.outstanding:
         decider.finish_oldest()
+    deferred = sorted(decider.deferred)
     return Row(
         len(fleet.workers),
         fleet.blocks,
@@ -387,6 +405,8 @@ def measure(
         tracked / 1e3,
         full_gc_cpu_s * 1e3,
         seen,
+        _pct(deferred, 0.50),
+        _pct(deferred, 0.99),
     )
 
 
@@ -403,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="POLICY", help="cProfile it at the largest fleet")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before building")
     parser.add_argument("--phases", action="store_true", help="mean CPU time of each phase")
+    parser.add_argument(
+        "--record-at-once",
+        action="store_true",
+        help="the index recording's bookkeeping on the decision's path (not deferred)",
+    )
     default = Shortlist()
     parser.add_argument(
         "--shortlist-above",
@@ -436,15 +461,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| workers | blocks in the index | policy | workers matched per request (mean) "
         "| p50 µs | p99 µs | max µs | CPU p50 µs | CPU p99 µs | full GCs | longest GC ms "
-        "| tracked objects (k) | one full GC, CPU ms |"
+        "| tracked objects (k) | one full GC, CPU ms | deferred CPU p50 / p99 µs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r.workers} | {r.blocks:,} | {r.policy} | {r.holders:.1f} | {r.p50_us:,.0f} "
             f"| {r.p99_us:,.0f} | {r.max_us:,.0f} | {r.cpu_p50_us:,.0f} | {r.cpu_p99_us:,.0f} "
             f"| {r.full_gcs} | {r.longest_gc_ms:,.1f} | {r.tracked_k:,.0f} "
-            f"| {r.full_gc_cpu_ms:,.1f} |"
+            f"| {r.full_gc_cpu_ms:,.1f} | {r.deferred_p50_us:,.0f} / {r.deferred_p99_us:,.0f} |"
         )
     print()
     print(
@@ -453,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         f"before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} "
         f"({os.cpu_count()} cores, shared)"
         + ("; gc.freeze() before building" if args.gc_freeze else "")
+        + ("; recorded at once (not deferred)" if args.record_at_once else "")
         + (
             f"; shortlist above {args.shortlist_above} workers "
             f"({args.shortlist_least_loaded} least loaded)"
