@@ -97,7 +97,7 @@ from gateway.routing.lease import Lease
 from gateway.routing.policy_set import PolicySet, ShadowPick
 from gateway.routing.request import ApiKind, RouteRequest
 from gateway.routing.tokens import TokenAccounting
-from gateway.workers.registry import Worker, views_of
+from gateway.workers.registry import Worker, fleet_columns, views_of
 from policies.base import (
     Decision,
     FleetFigures,
@@ -330,8 +330,8 @@ class RoutingCore:
                 available = max(map(tokens.get, map(_ID, workers), _ZERO))
                 workers, gated = self._admitted(gate, workers, tokens, now), True
             if len(workers) > above:
-                fleet = self._fleet(workers, tokens)
-                shortlisted = self._shortlist(workers, fleet, policy, req.prompt_tokens)
+                fleet, queued = self._fleet(workers, tokens)
+                shortlisted = self._shortlist(workers, fleet, queued, policy, req.prompt_tokens)
                 left_out = len(workers) - len(shortlisted)
                 workers = shortlisted
         views = views_of(workers, now, tokens, self.costs.cost, self.index.free_sequences, setup)
@@ -403,23 +403,45 @@ class RoutingCore:
         )
 
     @staticmethod
-    def _fleet(workers: Sequence[Worker], tokens: Mapping[str, int]) -> FleetFigures:
+    def _fleet(
+        workers: Sequence[Worker], tokens: Mapping[str, int]
+    ) -> tuple[FleetFigures, list[int]]:
         """Every candidate's figures as columns (``policies.base.FleetFigures``): the
-        views' in flight, queued prefill and match, the engine's last poll. C-level
-        passes over counters, no view."""
+        views' in flight, queued prefill and match, the engine's last poll; and the
+        queued prefill the shortlist orders by (the engine's where it reports more).
+        Copies of the registry's columns when the candidates are its workers
+        (``registry.FleetColumns``), else C-level passes over counters; no view."""
+        columns = fleet_columns(workers)
+        if columns is not None:
+            ids = columns.ids
+            figures = FleetFigures(
+                ids,
+                columns.in_flight[:],
+                columns.queued[:],
+                list(map(tokens.get, ids, itertools.repeat(0))),
+                columns.engine[:],
+            )
+            return figures, columns.seen[:]
         ids = list(map(_ID, workers))
-        return FleetFigures(
+        figures = FleetFigures(
             ids,
             list(map(operator.add, map(_IN_FLIGHT, workers), map(_PEER_IN_FLIGHT, workers))),
             list(map(operator.add, map(_QUEUED, workers), map(_PEER_QUEUED, workers))),
             list(map(tokens.get, ids, itertools.repeat(0))),
             list(map(_ENGINE, workers)),
         )
+        # the engine's queued prefill where it reports more than the gateway counts
+        # (getattr's default for a worker not polled; a None figure: the slow way)
+        reported = list(map(getattr, figures.engine_load, _UNCACHED, _ZERO))
+        if None in reported:
+            reported = [t or 0 for t in reported]
+        return figures, list(map(max, figures.queued_prefill_tokens, reported))
 
     def _shortlist(
         self,
         workers: Sequence[Worker],
         fleet: FleetFigures,
+        queued: Sequence[int],
         policy: Policy,
         prompt_tokens: int,
     ) -> list[Worker]:
@@ -430,12 +452,6 @@ class RoutingCore:
         settings = self.shortlist
         k = settings.least_loaded
         matched, loads = fleet.matched_tokens, fleet.in_flight
-        # the engine's queued prefill where it reports more than the gateway counts
-        # (getattr's default for a worker not polled; a None figure: the slow way)
-        reported = list(map(getattr, fleet.engine_load, _UNCACHED, _ZERO))
-        if None in reported:
-            reported = [t or 0 for t in reported]
-        queued = list(map(max, fleet.queued_prefill_tokens, reported))
         hints = policy.shortlist_hints(fleet, prompt_tokens, k)
         # ties start at a point moving by one per shortlist: equal workers take turns
         start = self._turn % n

@@ -142,6 +142,13 @@ class Worker:
     """One worker's mutable state. Only the modules named in the module contract write it."""
 
     __slots__ = (
+        "_at",
+        "_columns",
+        "_engine_load",
+        "_in_flight",
+        "_peer_in_flight",
+        "_peer_queued",
+        "_queued",
         "adapters",
         "added_at",
         "bootstrap_port",
@@ -150,21 +157,16 @@ class Worker:
         "decoding_requests",
         "dp_rank",
         "ejected_until",
-        "engine_load",
         "flags",
         "health_failures",
         "health_successes",
         "id",
-        "in_flight",
         "kind",
         "kind_known",
         "last_ejected_at",
         "load_read_at",
         "metadata",
         "peer_decoding_requests",
-        "peer_in_flight",
-        "peer_queued_prefill_tokens",
-        "queued_prefill_tokens",
         "ranks",
         "role",
         "times_ejected",
@@ -208,16 +210,73 @@ class Worker:
 
     def _init_target(self) -> None:
         """What a routing target counts of its own (a worker's, or a DP rank's)."""
-        self.in_flight = 0
-        self.queued_prefill_tokens = 0
+        # the registry's columns this target's load figures are kept in (see
+        # ``FleetColumns``; None: in none) and its place there
+        self._columns: FleetColumns | None = None
+        self._at = 0
+        self._in_flight = 0
+        self._queued = 0
         self.decoding_requests = 0
         # the same three as other gateways last published them (gateway.peers.state);
         # a policy sees the sums
-        self.peer_in_flight = 0
-        self.peer_queued_prefill_tokens = 0
+        self._peer_in_flight = 0
+        self._peer_queued = 0
         self.peer_decoding_requests = 0
-        self.engine_load: EngineLoad | None = None
+        self._engine_load: EngineLoad | None = None
         self.load_read_at = 0.0
+
+    # The load figures a large fleet's shortlist reads for every candidate: each write
+    # also updates the registry's columns (``FleetColumns``).
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, n: int) -> None:
+        self._in_flight = n
+        if self._columns is not None:
+            self._columns.put(self)
+
+    @property
+    def peer_in_flight(self) -> int:
+        return self._peer_in_flight
+
+    @peer_in_flight.setter
+    def peer_in_flight(self, n: int) -> None:
+        self._peer_in_flight = n
+        if self._columns is not None:
+            self._columns.put(self)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self._queued
+
+    @queued_prefill_tokens.setter
+    def queued_prefill_tokens(self, n: int) -> None:
+        self._queued = n
+        if self._columns is not None:
+            self._columns.put(self)
+
+    @property
+    def peer_queued_prefill_tokens(self) -> int:
+        return self._peer_queued
+
+    @peer_queued_prefill_tokens.setter
+    def peer_queued_prefill_tokens(self, n: int) -> None:
+        self._peer_queued = n
+        if self._columns is not None:
+            self._columns.put(self)
+
+    @property
+    def engine_load(self) -> EngineLoad | None:
+        return self._engine_load
+
+    @engine_load.setter
+    def engine_load(self, load: EngineLoad | None) -> None:
+        self._engine_load = load
+        if self._columns is not None:
+            self._columns.put(self)
 
     @property
     def server(self) -> Worker:
@@ -349,7 +408,7 @@ def views_of(
     append, tokens, setup = out.append, matched_tokens.get, setup_s.get
     for w in workers:
         wid = w.id
-        load = w.engine_load
+        load = w._engine_load  # the properties' fields: read per candidate
         if load is not None:
             age = now - w.load_read_at
             load = EngineLoad(
@@ -362,8 +421,8 @@ def views_of(
         append(
             WorkerView(
                 wid,
-                w.in_flight + w.peer_in_flight,
-                w.queued_prefill_tokens + w.peer_queued_prefill_tokens,
+                w._in_flight + w._peer_in_flight,
+                w._queued + w._peer_queued,
                 w.decoding_requests + w.peer_decoding_requests,
                 w.metadata.capacity_tokens,
                 load,
@@ -375,6 +434,54 @@ def views_of(
             )
         )
     return out
+
+
+class FleetColumns:
+    """The registry's workers' load figures as columns in fleet order (the order of
+    ``WorkerRegistry.candidates`` when it filters none out), kept current by each
+    worker's setters: the routing core's shortlist of a large fleet copies them instead
+    of reading every worker per decision (``fleet_columns``; BENCHMARKS.md, "Scale").
+    ``in_flight`` and ``queued`` are the sums a view shows (own + peers'); ``seen`` is
+    the larger of ``queued`` and the engine's last reported uncached waiting tokens.
+    Rebuilt on every membership change; ``ids`` and ``workers`` are never changed in
+    place (a new object each rebuild)."""
+
+    __slots__ = ("engine", "ids", "in_flight", "queued", "seen", "workers")
+
+    def __init__(self, workers: list[Worker]) -> None:
+        n = len(workers)
+        self.workers = workers
+        self.ids = [w.id for w in workers]
+        self.in_flight = [0] * n
+        self.queued = [0] * n
+        self.seen = [0] * n
+        self.engine: list[EngineLoad | None] = [None] * n
+        for i, w in enumerate(workers):
+            w._columns, w._at = self, i
+            self.put(w)
+
+    def put(self, w: Worker) -> None:
+        """Write ``w``'s figures at its place."""
+        at, queued, load = w._at, w._queued + w._peer_queued, w._engine_load
+        self.in_flight[at] = w._in_flight + w._peer_in_flight
+        self.queued[at] = queued
+        self.engine[at] = load
+        uncached = (load.waiting_uncached_tokens if load is not None else None) or 0
+        self.seen[at] = queued if uncached < queued else uncached
+
+    def detach(self) -> None:
+        for w in self.workers:
+            if w._columns is self:
+                w._columns = None
+
+
+def fleet_columns(workers: Sequence[Worker]) -> FleetColumns | None:
+    """The registry's columns when ``workers`` are exactly its workers in its order (a
+    candidate list nothing was filtered out of), else None."""
+    columns = workers[0]._columns if workers else None
+    if columns is None or len(columns.workers) != len(workers) or columns.workers != workers:
+        return None
+    return columns
 
 
 class RankWorker(Worker):
@@ -445,6 +552,7 @@ class WorkerRegistry:
         # worker holds it any more (bounded: the oldest are forgotten)
         self._adapter_paths: dict[str, AdapterSource] = {}
         self._ranks: dict[str, RankWorker] = {}  # rank target id → rank
+        self._columns = FleetColumns([])  # the workers' load figures (``FleetColumns``)
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -475,11 +583,17 @@ class WorkerRegistry:
             return existing, False
         worker = Worker(url, self.clock(), kind, role, bootstrap_port)
         self._workers[wid] = worker
+        self._rebuild_columns()
         return worker, True
+
+    def _rebuild_columns(self) -> None:
+        self._columns.detach()
+        self._columns = FleetColumns(list(self._workers.values()))
 
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
+            self._rebuild_columns()
             self._drop_ranks(worker, 0)
             self._target_removed(worker)
             for listener in self._removed_listeners:
