@@ -56,7 +56,7 @@ class LocalIndex(PrefixMatcher, Protocol):
 
     def record(
         self, block_hashes: Sequence[int], worker_id: str, now: float | None = None, *,
-        pin: bool = True,
+        pin: bool = True, held: int | None = None,
     ) -> None: ...  # fmt: skip
     def workers(self) -> list[str]: ...
     def blocks(self, worker_id: str) -> Sequence[int]: ...
@@ -76,8 +76,15 @@ class ReplicatingIndex:
     def match(self, block_hashes: Sequence[int]) -> Mapping[str, int]:
         return self._index.match(block_hashes)
 
-    def record(self, block_hashes: Sequence[int], worker_id: str, now: float | None = None) -> None:
-        self._index.record(block_hashes, worker_id, now)
+    def record(
+        self,
+        block_hashes: Sequence[int],
+        worker_id: str,
+        now: float | None = None,
+        *,
+        held: int | None = None,
+    ) -> None:
+        self._index.record(block_hashes, worker_id, now, held=held)
         if self._shared is not None:
             self._shared.record(block_hashes, worker_id)
 

@@ -88,7 +88,7 @@ import itertools
 import logging
 import operator
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -148,7 +148,12 @@ class PrefixMatcher(Protocol):
 
     def match(self, block_hashes: Sequence[int]) -> Mapping[str, int]: ...
     def record(
-        self, block_hashes: Sequence[int], worker_id: str, now: float | None = None
+        self,
+        block_hashes: Sequence[int],
+        worker_id: str,
+        now: float | None = None,
+        *,
+        held: int | None = None,
     ) -> None: ...
     def correct(
         self,
@@ -167,6 +172,7 @@ class PrefixMatcher(Protocol):
 class TierIndex(Protocol):
     """What the core needs of the approximate index's host tier (``PrefixIndex``)."""
 
+    def tiered(self) -> Collection[str]: ...  # the workers with a host tier
     def device_blocks(self, worker_id: str, block_hashes: Sequence[int], matched: int) -> int: ...
     def observe_tiers(
         self,
@@ -336,7 +342,7 @@ class RoutingCore:
                 workers = shortlisted
         views = views_of(workers, now, tokens, self.costs.cost, self.index.free_sequences, setup)
         host_blocks: dict[str, int] = {}
-        if exact_tokens or (matches and self.tiers is not None):
+        if exact_tokens or (matches and self.tiers is not None and self.tiers.tiered()):
             if left_out:  # the host parts of the shortlist's matches only
                 kept = set(map(_ID, workers))
                 matches = {k: v for k, v in matches.items() if k in kept}
@@ -500,8 +506,9 @@ class RoutingCore:
         hosts = dict(exact.host_tokens()) if exact is not None and exact_tokens else {}
         tiers = self.tiers
         if tiers is not None:
+            tiered = tiers.tiered()
             for wid, blocks in matches.items():
-                if wid in exact_tokens:
+                if wid in exact_tokens or wid not in tiered:
                     continue
                 device = tiers.device_blocks(wid, req.block_hashes, blocks)
                 if device < blocks:
@@ -580,7 +587,8 @@ class RoutingCore:
         worker = choice.worker
         choice.views = []
         if choice.indexed:
-            self.index.record(req.block_hashes, worker.id, now)  # at dispatch: co-locate
+            # at dispatch: co-locate (the match seen: where deferred marks start)
+            self.index.record(req.block_hashes, worker.id, now, held=choice.predicted_blocks)
             if self.chains is not None:
                 self.chains.dispatched(worker.id, req, now, choice.predicted_blocks)
         if exact is not None:

@@ -110,18 +110,19 @@ entries make each of those dict operations a cache miss: 0.4-1 ms for a 1,000-bl
 prompt, on the request's path (``python -m loadtests.micro.decision --phases``).
 Deferred, ``record`` does on the path only what the next ``match`` needs to co-locate:
 the worker's holder bit on the blocks past its held prefix (found by bisection, as
-``match`` does; a prompt that extends a held conversation marks only its new turn). The
-rest (pins, LRU, eviction, host tier, sequence bookkeeping) is queued and done by
-``flush``, which the owner schedules to run as soon as the event loop is free
-(``call_soon``: once the request's task waits, normally for the worker), and which every
-other public method runs first (so ``correct``, ``stats``, ``forget_worker`` and the
-rest see the index exactly as if nothing had been deferred; ``match``,
-``free_sequences``, ``held_sequences`` and ``capacity_blocks``, which a deferred
-recording does not change, do not wait for it). Until then a marked block may be in none
-of ``pins``, ``lru`` and ``host``, and the blocks the queued recordings will evict still
-count in a ``match``: for the time between a dispatch and the next turn of the event
-loop. Sequence-bounded workers and unpinned recordings are never deferred. At most
-``_MAX_PENDING`` recordings wait; past that the oldest is done at once.
+``match`` does, or from the match the decision saw where that is shorter; a prompt that
+extends a held conversation marks only its new turn). The rest (pins, LRU, eviction,
+host tier, sequence bookkeeping) is queued and done by ``flush``, which the owner
+schedules to run as soon as the event loop is free (``call_soon``: once the request's
+task waits, normally for the worker), and which every other public method runs first
+(``device_blocks`` only for a worker with a host tier) (so ``correct``, ``stats``,
+``forget_worker`` and the rest see the index exactly as if nothing had been deferred;
+``match``, ``free_sequences``, ``held_sequences`` and ``capacity_blocks``, which a
+deferred recording does not change, do not wait for it). Until then a marked block may
+be in none of ``pins``, ``lru`` and ``host``, and the blocks the queued recordings will
+evict still count in a ``match``: for the time between a dispatch and the next turn of
+the event loop. Sequence-bounded workers and unpinned recordings are never deferred. At
+most ``_MAX_PENDING`` recordings wait; past that the oldest is done at once.
 
 Not thread-safe; used from one event loop (or one replay) only. Times are seconds on one
 monotonic clock (``time.monotonic`` unless the caller passes ``now``).
@@ -133,7 +134,7 @@ import math
 import time
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice, takewhile
@@ -245,6 +246,7 @@ class PrefixIndex:
         # deferred recordings (chain, worker id, time), oldest first; ``_schedule`` asks
         # the owner to run ``flush`` soon (None: nothing is deferred)
         self._pending: deque[tuple[Sequence[int], str, float]] = deque()
+        self._tiered: set[str] = set()  # workers with a host tier (``tiered``)
         self._schedule: Callable[[], None] | None = None
 
     def defer(self, schedule: Callable[[], None] | None) -> None:
@@ -381,18 +383,20 @@ class PrefixIndex:
         now: float | None = None,
         *,
         pin: bool = True,
+        held: int | None = None,
     ) -> None:
         """Believe ``worker_id`` holds these blocks (called at dispatch); refresh its LRU.
         ``pin=False`` for a recording whose end this index will never hear of (a peer
         gateway's, a snapshot's): its blocks go straight into the LRU. Pinned, it may be
-        deferred (see "Deferred recording")."""
+        deferred (see "Deferred recording"); ``held``: the worker's match of these
+        blocks as the decision saw it (deferred, the marks start there at the latest)."""
         if not block_hashes:
             return
         t = self._clock() if now is None else now
         if pin and self._schedule is not None:
             state = self._state(worker_id)
             if state.max_sequences is None:
-                self._mark(state, block_hashes)
+                self._mark(state, block_hashes, held)
                 pending = self._pending
                 pending.append((block_hashes, worker_id, t))
                 if len(pending) == 1:
@@ -404,15 +408,19 @@ class PrefixIndex:
             self.flush()
         self._record(block_hashes, worker_id, t, pin)
 
-    def _mark(self, state: _WorkerBlocks, block_hashes: Sequence[int]) -> None:
+    def _mark(self, state: _WorkerBlocks, block_hashes: Sequence[int], held: int | None) -> None:
         """A deferred recording's part on the request's path: the worker's holder bit
-        on the blocks past its held prefix (prefix-closed: found by bisection)."""
+        on the blocks past its held prefix (prefix-closed: found by bisection), from
+        ``held`` on if that is shorter (a correction's gap: see "Invariant", where the
+        bisection may land past it while ``match`` stopped at it)."""
         holders, bit = self._holders, state.bit
         get = holders.get
-        held = bisect_left(
+        start = bisect_left(
             range(len(block_hashes)), True, key=lambda i: not get(block_hashes[i], 0) & bit
         )
-        for h in block_hashes[held:]:
+        if held is not None and 0 <= held < start:
+            start = held
+        for h in block_hashes[start:]:
             holders[h] = get(h, 0) | bit
 
     def _record(self, block_hashes: Sequence[int], worker_id: str, t: float, pin: bool) -> None:
@@ -571,6 +579,15 @@ class PrefixIndex:
         tokens = state.host_tokens
         state.host_capacity = self._cap(math.ceil(tokens / state.block_tokens)) if tokens else 0
         self._drop_host_excess(state)
+        if state.host_capacity:
+            self._tiered.add(self._names[state.bit])
+        else:
+            self._tiered.discard(self._names[state.bit])
+
+    def tiered(self) -> Collection[str]:
+        """The workers with a host tier (``set_host_capacity``): the only ones whose
+        matches :meth:`device_blocks` can split. Read-only."""
+        return self._tiered
 
     def _demote(self, state: _WorkerBlocks, excess: int) -> None:
         """Move the device LRU's ``excess`` least recently used blocks to the host tier
@@ -619,12 +636,16 @@ class PrefixIndex:
     def device_blocks(self, worker_id: str, block_hashes: Sequence[int], matched: int) -> int:
         """Of the worker's ``matched`` leading blocks of ``block_hashes`` (``match``'s
         answer), how many are believed on its GPU; the rest are on its host tier. The
-        device part is prefix-closed (see "Host tier"): O(log matched) lookups."""
-        if self._pending:
-            self.flush()
+        device part is prefix-closed (see "Host tier"): O(log matched) lookups. Waiting
+        recordings are done first only for a worker with a host tier (nothing else's
+        answer can they change)."""
         state = self._workers.get(worker_id)
         matched = max(0, min(matched, len(block_hashes)))
-        if state is None or not state.host or matched == 0:
+        if state is None or not state.host_capacity or matched == 0:
+            return matched
+        if self._pending:
+            self.flush()
+        if not state.host:
             return matched
         host = state.host
         return bisect_left(range(matched), True, key=lambda i: block_hashes[i] in host)
@@ -676,6 +697,7 @@ class PrefixIndex:
         state = self._workers.pop(worker_id, None)
         if state is None:
             return
+        self._tiered.discard(worker_id)
         for h in state.lru:
             self._clear(h, state.bit)
         for h in state.pins:

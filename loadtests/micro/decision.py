@@ -205,6 +205,7 @@ class Decider:
             fleet.tokens,
             ttft_estimate(),
         )
+        self.core.tiers = fleet.index  # as gateway.app (no worker here has a host tier)
         if shortlist is not None:
             self.core.shortlist = shortlist
         # as live (``gateway.app``): the recording's bookkeeping waits for ``flush``,
