@@ -114,12 +114,12 @@ the worker's holder bit on the blocks past its held prefix (found by bisection, 
 extends a held conversation marks only its new turn). The rest (pins, LRU, eviction,
 host tier, sequence bookkeeping) is queued and done by ``flush``, which the owner
 schedules to run as soon as the event loop is free (``call_soon``: once the request's
-task waits, normally for the worker), and which every other public method runs first
-(``device_blocks`` only for a worker with a host tier) (so ``correct``, ``stats``,
-``forget_worker`` and the rest see the index exactly as if nothing had been deferred;
-``match``, ``free_sequences``, ``held_sequences`` and ``capacity_blocks``, which a
-deferred recording does not change, do not wait for it). Until then a marked block may
-be in none of ``pins``, ``lru`` and ``host``, and the blocks the queued recordings will
+task waits, normally for the worker), and which every other public method runs first, so
+``correct``, ``stats``, ``forget_worker`` and the rest see the index exactly as if
+nothing had been deferred. Those that do not wait for it: ``match``, and what a deferred
+recording cannot change (``free_sequences``, ``held_sequences``, ``capacity_blocks``,
+and ``device_blocks`` of a worker without a host tier). Until then a marked block may be
+in none of ``pins``, ``lru`` and ``host``, and the blocks the queued recordings will
 evict still count in a ``match``: for the time between a dispatch and the next turn of
 the event loop. Sequence-bounded workers and unpinned recordings are never deferred. At
 most ``_MAX_PENDING`` recordings wait; past that the oldest is done at once.
