@@ -33,10 +33,11 @@ Flags of sglang-router and their meaning here:
   ``max_idle_s`` seconds (entries that old are the first an engine under pressure evicts,
   and the ones a restarted engine has lost).
 
-One class of ~410 lines on purpose: the LRU, the pins of in-flight recordings and the
-sequence bound all act on one per-worker state and keep one invariant between them
-(prefix-closed blocks, each block either pinned or in the LRU); splitting it would spread
-that invariant over several classes reaching into each other's state.
+One class of ~630 lines on purpose: the LRU, the pins of in-flight recordings, the
+sequence bound, the host tier and the deferred recordings all act on one per-worker state
+and keep one invariant between them (prefix-closed blocks, each block in exactly one of
+the pins, the LRU and the host tier); splitting it would spread that invariant over
+several classes reaching into each other's state.
 
 Sequence bound (optional, per worker: ``set_capacity(..., max_sequences=n)``): a worker
 that keeps a fixed number of prompts rather than tokens (llama.cpp with its RAM prompt
