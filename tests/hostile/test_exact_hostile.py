@@ -206,7 +206,8 @@ async def info_server() -> AsyncIterator[tuple[TestServer, dict[str, Any]]]:
 
     app = web.Application()
     app.router.add_get("/{w}/server_info", server_info)
-    async with TestServer(app) as server:
+    server = TestServer(app)  # typed as itself (aiohttp's __aenter__ gives BaseTestServer)
+    async with server:
         yield server, infos
 
 

@@ -19,7 +19,7 @@ from test_lora_red_team import gateway as lora_gateway
 from test_lora_red_team import post as lora_post
 
 from gateway.http import app_keys
-from gateway.routing.router import DecisionOutcome
+from gateway.routing.decisions import DecisionOutcome
 from loadtests.harness.inprocess import GatewayHandle, run_gateway
 
 API = "/v1/chat/completions"

@@ -17,7 +17,7 @@ from simulator.fleet import SimulatedFleet
 Eventually = Callable[..., Awaitable[None]]  # the ``eventually`` fixture (tests/conftest.py)
 
 SYSTEM = {"role": "system", "content": "You are the support assistant of a large shop. " * 12}
-WARM = {
+WARM: dict[str, Any] = {
     "prewarm__prompt_store_bytes": 1 << 22,
     "prewarm__tokens_per_s": 1e6,  # the test's prompts go at once
     "policy__name": "min_ttft",
@@ -118,8 +118,9 @@ async def test_a_drain_without_a_prompt_store_rehomes_only_and_options_are_check
 async def test_a_joining_worker_ramps_and_gets_the_shared_prefix(
     fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
-    settings = {**WARM, "policy__name": "round_robin", "policy__shadows": ["cache_aware"],
-                "slow_start__window_s": 600.0}  # fmt: skip
+    settings: dict[str, Any] = {**WARM, "policy__name": "round_robin",
+                                "policy__shadows": ["cache_aware"],
+                                "slow_start__window_s": 600.0}  # fmt: skip
     async with run_gateway(fleet.urls[:2], **settings) as gw:
         for conv in range(4):  # round robin: both workers hold the system prompt
             await _ask(client, gw.url, [SYSTEM, _user(conv, 1)])

@@ -95,7 +95,8 @@ async def _workers(s: aiohttp.ClientSession, url: str) -> dict[str, dict[str, An
         return {w["id"]: w for w in (await resp.json())["workers"]}
 
 
-EXACT = {  # a gateway that routes by prefix, discovers fast, predicts only from events
+# a gateway that routes by prefix, discovers fast, predicts only from events
+EXACT: dict[str, Any] = {
     "policy__name": "cache_aware",
     "kv_events__discovery_interval_s": 0.1,
     "kv_events__hybrid": False,
@@ -134,7 +135,8 @@ async def test_exact_mode_on_a_real_tokenizer_predicts_what_workers_report(
     real_fleet: SimulatedFleet, model_dir: Path
 ) -> None:
     ids = [worker_id_for(u) for u in real_fleet.urls]
-    overrides = {**EXACT, "kv_events__tokenizer": f"hf:{model_dir}"}  # enabled: auto
+    # kv_events.enabled: auto
+    overrides: dict[str, Any] = {**EXACT, "kv_events__tokenizer": f"hf:{model_dir}"}
     async with run_gateway(real_fleet.urls, **overrides) as gw, aiohttp.ClientSession() as s:
         await _all_exact(s, gw.url, ids)
         reason = (await _workers(s, gw.url))[ids[0]]["index_mode_reason"]
@@ -248,7 +250,7 @@ async def test_the_tokenizer_a_worker_names_is_used_when_it_is_local(
     tokenizer directory (``tokenizer_path``), which is local here, so ``auto`` follows
     its events and predicts exactly."""
     ids = [worker_id_for(u) for u in real_fleet.urls]
-    overrides = {**EXACT, "kv_events__tokenizer": ""}
+    overrides: dict[str, Any] = {**EXACT, "kv_events__tokenizer": ""}
     async with run_gateway(real_fleet.urls, **overrides) as gw, aiohttp.ClientSession() as s:
         await _all_exact(s, gw.url, ids)
         for question in ("first", "second"):

@@ -80,7 +80,7 @@ async def _send_all(
 
 
 def _cached_fraction(results: Sequence[tuple[dict[str, Any], str]]) -> float:
-    prompt = sum(reply["usage"]["prompt_tokens"] for reply, _ in results)
+    prompt: int = sum(reply["usage"]["prompt_tokens"] for reply, _ in results)
     cached = 0
     for reply, _ in results:
         details = reply["usage"].get("prompt_tokens_details") or {}

@@ -18,7 +18,7 @@ import pytest
 
 from gateway.workers.registry import worker_id_for
 from loadtests.harness.inprocess import run_gateway
-from simulator.fleet import SimConfig, SimulatedFleet
+from simulator.fleet import SimConfig, SimulatedFleet, SimulatedWorker
 
 KV_CONFIG = (
     '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","replay_endpoint":"tcp://127.0.0.1:*"}'
@@ -68,7 +68,7 @@ async def _last_decision(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 
 async def test_gateway_exact_mode_end_to_end(kv_fleet: SimulatedFleet) -> None:
-    overrides = {
+    overrides: dict[str, Any] = {
         "policy__name": "cache_aware",
         "kv_events__enabled": True,
         "kv_events__stale_timeout_s": 0.3,
@@ -98,6 +98,7 @@ async def test_gateway_exact_mode_end_to_end(kv_fleet: SimulatedFleet) -> None:
 
         # events stop on every worker: each turns degraded after a dispatch, routing goes on
         for worker in kv_fleet.workers:
+            assert isinstance(worker, SimulatedWorker)
             assert worker.kv_events is not None
             await worker.kv_events.close()
         for i in range(4):  # new blocks each (a prompt held whole would store nothing)

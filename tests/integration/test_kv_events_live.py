@@ -26,7 +26,7 @@ from gateway.exact.tokenizer import Tokenizer, load_tokenizer
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.request import ApiKind, RequestSettings, parse_request
 from loadtests.harness.inprocess import SIM_TOKENIZER
-from simulator.fleet import SimConfig, SimulatedFleet
+from simulator.fleet import SimConfig, SimulatedFleet, SimulatedWorker
 
 KV_CONFIG = (
     '{"publisher":"zmq","endpoint":"tcp://127.0.0.1:*",'
@@ -98,7 +98,7 @@ class _Client:
 async def _manager(
     fleet: SimulatedFleet, session: aiohttp.ClientSession, **overrides: Any
 ) -> KVEventsManager:
-    settings = KVEventsSettings(enabled=True, discovery_interval_s=0.1, **overrides)
+    settings = KVEventsSettings(enabled="true", discovery_interval_s=0.1, **overrides)
     workers = [FollowedWorker(f"w{i}", url) for i, url in enumerate(fleet.urls)]
     mgr = KVEventsManager(settings, load_tokenizer(SIM_TOKENIZER), lambda: workers, session)
     await mgr.start()
@@ -139,7 +139,9 @@ async def test_degraded_when_publisher_stops_and_back_after_restart(
     try:
         await client.send(kv_fleet.urls[0], "w0", _text(0, 50))
         await _until(lambda: mgr.index.blocks("w0") > 0)
-        publisher = kv_fleet.workers[0].kv_events
+        worker = kv_fleet.workers[0]
+        assert isinstance(worker, SimulatedWorker)
+        publisher = worker.kv_events
         assert publisher is not None
         await publisher.close()  # events stop; HTTP keeps serving
         await client.send(kv_fleet.urls[0], "w0", _text(1, 50))
@@ -161,7 +163,9 @@ async def test_server_info_descriptor(
     async with session.get(f"{kv_fleet.urls[1]}/server_info") as resp:
         info = await resp.json()
     desc = info["kv_events"]
-    publisher = kv_fleet.workers[1].kv_events
+    worker = kv_fleet.workers[1]
+    assert isinstance(worker, SimulatedWorker)
+    publisher = worker.kv_events
     assert publisher is not None
     assert desc == {
         "publisher": "zmq",

@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 from aiohttp import ClientSession
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.workers.registry import worker_id_for
 from loadtests.harness.inprocess import GatewayHandle, run_gateway
@@ -38,7 +39,7 @@ async def _pd_fleet(
         yield pf, df, gw
 
 
-def _messages(user: str) -> list[dict[str, str]]:
+def _messages(user: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 

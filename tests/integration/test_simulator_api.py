@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from multidict import CIMultiDictProxy
 
 from simulator.fleet import SimConfig, SimulatedFleet
 from simulator.model.tokenizer import IM_END_ID
@@ -39,7 +40,7 @@ def events(raw: bytes) -> list[bytes]:
 
 async def post(
     http: aiohttp.ClientSession, url: str, body: Any
-) -> tuple[int, bytes, aiohttp.typedefs.LooseHeaders]:
+) -> tuple[int, bytes, CIMultiDictProxy[str]]:
     async with http.post(url, json=body) as resp:
         return resp.status, await resp.read(), resp.headers
 

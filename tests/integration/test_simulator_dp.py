@@ -244,7 +244,7 @@ async def _replay(ctx: zmq.asyncio.Context, port: int) -> list[list[Any]]:
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(f"tcp://127.0.0.1:{port}")
     await dealer.send_multipart([b"", struct.pack(">Q", 0)])
-    batches = []
+    batches: list[list[Any]] = []
     async with asyncio.timeout(5):
         while True:
             frames = await dealer.recv_multipart()

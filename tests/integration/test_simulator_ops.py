@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.harness.ports import free_port_range
-from simulator.fleet import SimConfig, SimulatedFleet
+from simulator.fleet import SimConfig, SimulatedFleet, SimulatedWorker
 from simulator.http.metrics import E2E_BUCKETS, TTFT_BUCKETS
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
@@ -201,13 +201,15 @@ async def test_legacy_get_load(http: aiohttp.ClientSession) -> None:
 # ---------------------------------------------------------------------- cache, abort
 async def test_flush_cache(sim: SimulatedFleet, http: aiohttp.ClientSession) -> None:
     base = sim.urls[0]
+    worker = sim.workers[0]
+    assert isinstance(worker, SimulatedWorker)
     async with http.post(base + "/v1/chat/completions", json=CHAT) as resp:
         await resp.read()
-    assert sim.workers[0].engine.cache.tree_tokens > 0
+    assert worker.engine.cache.tree_tokens > 0
     async with http.post(base + "/flush_cache") as resp:
         assert resp.status == 200
         assert (await resp.text()).startswith("Cache flushed.\n")
-    assert sim.workers[0].engine.cache.tree_tokens == 0
+    assert worker.engine.cache.tree_tokens == 0
     async with http.post(base + "/v1/chat/completions", json=LONG) as stream:
         await stream.content.readline()
         async with http.get(base + "/flush_cache") as resp:

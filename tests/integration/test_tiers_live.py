@@ -72,7 +72,7 @@ async def _a_then_b_then_a(s: aiohttp.ClientSession, gw: GatewayHandle) -> Any:
 
 async def test_a_host_hit_through_the_gateway_approximate(hicache_worker: SimulatedFleet) -> None:
     worker = worker_id_for(hicache_worker.urls[0])
-    overrides = {"policy__name": "min_ttft", "kv_events__enabled": False}
+    overrides: dict[str, Any] = {"policy__name": "min_ttft", "kv_events__enabled": False}
     async with run_gateway(hicache_worker.urls, **overrides) as gw, aiohttp.ClientSession() as s:
         await _until(lambda: _host_tier_known(gw, worker))
         # /server_info: 2 x the 2,992-token pool, less the GPU's blocks it copies
@@ -98,7 +98,7 @@ async def test_a_host_hit_through_the_gateway_approximate(hicache_worker: Simula
 
 async def test_a_host_hit_through_the_gateway_exact(hicache_worker: SimulatedFleet) -> None:
     worker = worker_id_for(hicache_worker.urls[0])
-    overrides = {
+    overrides: dict[str, Any] = {
         "policy__name": "min_ttft",
         "kv_events__enabled": True,
         "kv_events__discovery_interval_s": 0.1,

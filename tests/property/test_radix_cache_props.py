@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -93,6 +94,10 @@ class CheckingListener:
         self.ref.prefixes.clear()
 
 
+# An operation: ("insert" | "match" | "lock", namespace, tokens), ("unlock" | "alloc" |
+# "free" | "evict", n) or ("reset",); run_ops dispatches on the first item.
+Op = tuple[Any, ...]
+
 tokens_st = st.lists(st.integers(min_value=0, max_value=3), min_size=0, max_size=14)
 insert_st = st.tuples(st.just("insert"), st.sampled_from(NAMESPACES), tokens_st)
 op_st = st.one_of(
@@ -121,7 +126,7 @@ op_st = st.one_of(
     capacity=st.integers(min_value=6, max_value=40),
     ops=st.lists(op_st, min_size=5, max_size=80),
 )
-def test_cache_matches_reference(page: int, capacity: int, ops: list[tuple]) -> None:
+def test_cache_matches_reference(page: int, capacity: int, ops: list[Op]) -> None:
     run_ops(page, capacity, ops)
 
 
@@ -134,7 +139,7 @@ def test_cache_matches_reference(page: int, capacity: int, ops: list[tuple]) -> 
 def test_long_random_workloads(page: int, capacity: int, seed: int) -> None:
     """Long op sequences (hundreds of ops) drawn from a seeded RNG: many evictions per run."""
     rng = random.Random(seed)
-    ops: list[tuple] = []
+    ops: list[Op] = []
     for _ in range(400):
         r = rng.random()
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 13))]
@@ -157,7 +162,7 @@ def test_long_random_workloads(page: int, capacity: int, seed: int) -> None:
     assert evictions > 0
 
 
-def run_ops(page: int, capacity: int, ops: list[tuple]) -> int:
+def run_ops(page: int, capacity: int, ops: list[Op]) -> int:
     """Apply ``ops`` to a cache and the reference, checking everything after each one."""
     ref = Reference(page)
     holder: list[RadixCache] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import ClientSession
@@ -13,6 +14,8 @@ from aiohttp import ClientSession
 from gateway.http import app_keys
 from loadtests.harness.inprocess import GatewayHandle, run_gateway, sim_faults, sim_stats
 from simulator.fleet import SimulatedFleet
+
+Eventually = Callable[..., Awaitable[None]]  # the ``eventually`` fixture (tests/conftest.py)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8}
 ENDLESS = {**CHAT, "max_tokens": 20000, "ignore_eos": True}
@@ -43,7 +46,7 @@ async def _worker_idle(client: ClientSession, url: str) -> bool:
 
 
 async def test_disconnect_while_queued_in_admission(
-    fleet: SimulatedFleet, client: ClientSession, eventually
+    fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
     async with run_gateway(
         fleet.urls[:1], admission__max_concurrent_requests=1, admission__queue_timeout_s=30.0
@@ -66,7 +69,7 @@ async def test_disconnect_while_queued_in_admission(
 
 
 async def test_disconnect_before_first_byte_streaming(
-    fleet: SimulatedFleet, client: ClientSession, eventually
+    fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
     async with run_gateway(fleet.urls[:1]) as gw:
         await sim_faults(client, fleet.urls[0], latency_s=2.0)
@@ -78,7 +81,7 @@ async def test_disconnect_before_first_byte_streaming(
 
 
 async def test_disconnect_before_first_byte_non_streaming(
-    fleet: SimulatedFleet, client: ClientSession, eventually
+    fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
     """A non-streaming answer's first byte comes at its end: hanging up mid-generation
     must abort it on the worker."""
@@ -94,7 +97,7 @@ async def test_disconnect_before_first_byte_non_streaming(
 
 
 async def test_disconnect_mid_stream_many_clients(
-    fleet: SimulatedFleet, client: ClientSession, eventually
+    fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
     async with run_gateway(fleet.urls) as gw:
         url = gw.url + "/v1/chat/completions"

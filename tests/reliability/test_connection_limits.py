@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
 
 from gateway.http.connguard import ConnectionGuard, GuardedSite
+
+Eventually = Callable[..., Awaitable[None]]  # the ``eventually`` fixture (tests/conftest.py)
 
 
 async def _ok(_: web.Request) -> web.Response:
@@ -48,7 +50,7 @@ async def _get(port: int) -> bytes:
 
 
 async def test_over_the_cap_is_503_then_room_again(
-    guarded: tuple[ConnectionGuard, int], eventually
+    guarded: tuple[ConnectionGuard, int], eventually: Eventually
 ) -> None:
     guard, port = guarded
     idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
@@ -62,7 +64,9 @@ async def test_over_the_cap_is_503_then_room_again(
     assert (await _get(port)).startswith(b"HTTP/1.1 200")
 
 
-async def test_slowloris_is_cut_off(guarded: tuple[ConnectionGuard, int], eventually) -> None:
+async def test_slowloris_is_cut_off(
+    guarded: tuple[ConnectionGuard, int], eventually: Eventually
+) -> None:
     guard, port = guarded
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # the head never ends
@@ -90,7 +94,7 @@ async def _response(reader: asyncio.StreamReader) -> bytes:
 
 
 async def test_slow_second_head_on_a_kept_alive_connection_is_cut_off(
-    guarded: tuple[ConnectionGuard, int], eventually
+    guarded: tuple[ConnectionGuard, int], eventually: Eventually
 ) -> None:
     guard, port = guarded  # header_timeout_s=0.5; aiohttp's keep-alive timeout: an hour
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

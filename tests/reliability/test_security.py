@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from aiohttp import ClientSession
 from gateway.workers.registry import HealthFlag
 from loadtests.harness.inprocess import run_gateway, sim_faults
 from simulator.fleet import SimulatedFleet
+
+Eventually = Callable[..., Awaitable[None]]  # the ``eventually`` fixture (tests/conftest.py)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "secret prompt text"}]}
 CLIENT, OTHER, ADMIN = "client-key-1", "client-key-2", "admin-key-1"
@@ -144,7 +147,7 @@ async def test_connection_cap_through_the_gateway(fleet: SimulatedFleet) -> None
 
 
 async def test_invalid_host_name_is_refused_even_when_any_host_is_allowed(
-    fleet: SimulatedFleet, client: ClientSession, eventually
+    fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
     """Regression: a host name that IDNA cannot encode used to be registered, and then
     killed the health and load loops for every worker."""

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 import pytest
@@ -17,6 +17,8 @@ from aiohttp import ClientSession, web
 from gateway.workers.registry import HealthFlag
 from loadtests.harness.inprocess import run_gateway, sim_faults
 from simulator.fleet import SimulatedFleet
+
+Eventually = Callable[..., Awaitable[None]]  # the ``eventually`` fixture (tests/conftest.py)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8}
 
@@ -69,7 +71,7 @@ async def test_first_byte_timeout_retries_elsewhere_and_penalises(
 
 
 async def test_stream_idle_timeout_ends_with_504_event(
-    stalling_worker: str, client: ClientSession, eventually
+    stalling_worker: str, client: ClientSession, eventually: Eventually
 ) -> None:
     async with run_gateway([stalling_worker], server__stream_idle_timeout_s=0.5) as gw:
         started = time.monotonic()

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import ClientSession
 
 from loadtests.harness.inprocess import run_gateway, sim_faults, sim_stats
 from simulator.fleet import SimulatedFleet
+
+Eventually = Callable[..., Awaitable[None]]  # the ``eventually`` fixture (tests/conftest.py)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8}
 ENDLESS = {**CHAT, "max_tokens": 20000, "ignore_eos": True, "stream": True}
@@ -24,7 +27,7 @@ def _events(raw: bytes) -> list[bytes]:
 
 
 async def test_worker_killed_mid_stream(
-    fleet: SimulatedFleet, client: ClientSession, eventually
+    fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
     """Error event then [DONE], no event duplicated or cut, the gateway stops sending
     within 1 s of the kill, and the next requests go elsewhere."""
@@ -55,7 +58,7 @@ async def test_worker_killed_mid_stream(
 
 
 async def test_hanging_worker_non_streaming_is_504_and_penalised(
-    fleet: SimulatedFleet, client: ClientSession, eventually
+    fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
     async with run_gateway(fleet.urls[:1], server__request_timeout_s=1.0) as gw:
         await sim_faults(client, fleet.urls[0], hang=True)
@@ -185,7 +188,7 @@ async def test_flapping_health_never_fails_a_client(
 
 
 async def test_every_worker_down_fast_503_then_recovery(
-    fleet: SimulatedFleet, client: ClientSession, eventually
+    fleet: SimulatedFleet, client: ClientSession, eventually: Eventually
 ) -> None:
     async with run_gateway(
         fleet.urls, health__interval_s=0.1, health__failure_threshold=1, health__success_threshold=1

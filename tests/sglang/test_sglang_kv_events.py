@@ -143,7 +143,8 @@ async def check_bound_publisher(http: aiohttp.ClientSession, zctx: Any, base: st
     # a new tail on the cached prefix: a store chained on the last page
     longer = ids + token_ids(101, 30)
     assert await generate(http, base, longer) == 32
-    more = [e for e in (await until_event(sub, Stored)) for e in decode_batch(e[2])[1]]
+    batches = await until_event(sub, Stored)
+    more = [event for frames in batches for event in decode_batch(frames[2])[1]]
     chained = next(e for e in more if isinstance(e, Stored))
     assert chained.parent == first["block_hashes"][-1]
     assert (

@@ -10,6 +10,7 @@ sources).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,10 @@ def test_continue_final_message() -> None:
     )
     trimmed = source.replace("m.content", "m.content | trim")
     assert render(trimmed, messages, continue_final_message=True).endswith("<assistant>Once upon")
-    parts = [*USER, {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
+    parts: list[dict[str, Any]] = [
+        *USER,
+        {"role": "assistant", "content": [{"type": "text", "text": "a"}]},
+    ]
     listing = "{% for m in messages %}{% for p in m.content %}{{ p.text }}|{% endfor %}{% endfor %}"
     assert render(listing, [parts[1]], continue_final_message=True) == "a"
     with pytest.raises(ChatTemplateError):
@@ -549,7 +553,14 @@ class Plain:
         self.error = error
         self.seen: list[Any] = []
 
-    def encode_chat(self, messages: Any, tools: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        if template_kwargs:  # as a python: tokenizer whose encode_chat takes none would fail
+            raise TypeError(f"unexpected template kwargs: {sorted(template_kwargs)}")
         if self.error is not None:
             raise self.error
         self.seen.append((messages, tools))

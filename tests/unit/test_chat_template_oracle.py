@@ -159,7 +159,7 @@ COHERE_TOOLS = [
         },
     }
 ]
-CALL = {
+CALL: dict[str, Any] = {
     "id": "call12345",  # nine characters: Mistral's templates insist
     "type": "function",
     "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
@@ -527,7 +527,7 @@ def test_a_request_with_tools_reaches_the_template_as_sglang_hands_it(
             "defer_loading": None,
         }
     ]
-    want_messages = [
+    want_messages: list[dict[str, Any]] = [
         {"role": "user", "content": "a b"},
         {
             "role": "assistant",

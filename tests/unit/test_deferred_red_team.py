@@ -5,12 +5,13 @@ workers with no host tier), fixed, and what was checked and holds."""
 
 from __future__ import annotations
 
+from shortlist_fleet import chat_request, min_ttft_core
+
 from gateway.routing.decide import RoutingCore
 from gateway.routing.lease import Lease
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.workers.registry import HealthFlag, WorkerRegistry, fleet_columns
 from policies.base import EngineLoad
-from tests.unit.shortlist_fleet import chat_request, min_ttft_core
 
 
 def _h(tag: str, n: int) -> list[int]:

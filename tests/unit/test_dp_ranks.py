@@ -177,7 +177,7 @@ def test_v1_loads_per_rank() -> None:
 
 
 async def test_exact_mode_keeps_each_ranks_blocks_apart() -> None:
-    settings = KVEventsSettings(enabled=True, stale_timeout_s=100.0, hybrid=False)
+    settings = KVEventsSettings(enabled="true", stale_timeout_s=100.0, hybrid=False)
     async with aiohttp.ClientSession() as session:
         mgr = KVEventsManager(settings, load_tokenizer(SIM_TOKENIZER), list, session)
         try:

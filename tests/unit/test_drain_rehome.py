@@ -428,7 +428,7 @@ def test_the_defaults_rehome_but_keep_no_prompt() -> None:
 
 
 def _replay(
-    mode: str, sessions: int = 48, policy: str = "min_ttft", **plan: float
+    mode: str, sessions: int = 48, policy: str = "min_ttft", /, **plan: float
 ) -> dict[str, object]:
     membership = MembershipPlan(mode=mode, **plan)  # type: ignore[arg-type]
     config = ReplayConfig(

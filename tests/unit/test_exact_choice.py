@@ -4,6 +4,7 @@ settings that choose it: ``enabled: auto|true|false``, per-model tokenizers, the
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,12 @@ class _Tok:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def encode_chat(self, messages: Any, tools: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None,
+        **template_kwargs: Any,
+    ) -> list[int]:
         return []
 
     def encode(self, text: str) -> list[int]:
@@ -56,8 +62,8 @@ def test_enabled_is_auto_by_default_and_reads_yaml_booleans() -> None:
 def test_cli_flags(tmp_path: Path) -> None:
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0].content }}")
-    cfg = parse_config(["--kv-events", "off"]).kv_events
-    assert cfg.enabled == "false"
+    kv_events = parse_config(["--kv-events", "off"]).kv_events
+    assert kv_events.enabled == "false"
     cfg = parse_config(["--tokenizer-path", "/m/llama", "--chat-template", str(template)])
     assert cfg.kv_events.tokenizer == "hf:/m/llama" and cfg.kv_events.chat_template == str(template)
     assert cfg.kv_events.enabled == "auto"  # auto: an unloadable tokenizer is not refused

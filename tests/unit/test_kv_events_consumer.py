@@ -238,7 +238,7 @@ async def test_feed_gap_without_replay_is_lost(publisher: KVEventPublisher) -> N
 # ---------------------------------------------------------------------- modes
 async def test_modes_degrade_after_silence_and_return() -> None:
     now = [0.0]
-    settings = KVEventsSettings(enabled=True, stale_timeout_s=1.0)
+    settings = KVEventsSettings(enabled="true", stale_timeout_s=1.0)
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
@@ -272,7 +272,7 @@ async def test_a_prompt_already_held_whole_arms_no_staleness() -> None:
     it, and that silence must not turn the worker degraded (a shorter-than-a-block prompt
     neither); a prompt with one new block does arm the check."""
     now = [0.0]
-    settings = KVEventsSettings(enabled=True, stale_timeout_s=1.0)
+    settings = KVEventsSettings(enabled="true", stale_timeout_s=1.0)
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
@@ -299,7 +299,7 @@ async def test_prepared_request_and_fidelity() -> None:
 
     async with aiohttp.ClientSession() as session:
         mgr = KVEventsManager(
-            KVEventsSettings(enabled=True), load_tokenizer(SIM_TOKENIZER), list, session
+            KVEventsSettings(enabled="true"), load_tokenizer(SIM_TOKENIZER), list, session
         )
         try:
             mgr._states["w"] = _WorkerState(
@@ -325,7 +325,7 @@ async def test_a_match_stops_one_token_short_of_the_prompt() -> None:
 
     async with aiohttp.ClientSession() as session:
         mgr = KVEventsManager(
-            KVEventsSettings(enabled=True, hybrid=False), load_tokenizer(SIM_TOKENIZER), list,
+            KVEventsSettings(enabled="true", hybrid=False), load_tokenizer(SIM_TOKENIZER), list,
             session,
         )  # fmt: skip
         try:

@@ -17,6 +17,7 @@ from simulator.http.kv_publisher import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Event,
     EventRecorder,
     KVEventPublisher,
     digest_to_hash,
@@ -50,7 +51,7 @@ def _s(text: str) -> bytes:
 
 
 def test_map_encoding_reference_bytes() -> None:
-    events = [
+    events: list[Event] = [
         BlockStored([1234567890123, -42], None, [1, 2, 3, 4, 5, 6, 7, 8], 4),
         BlockRemoved([-42]),
         AllBlocksCleared(),
@@ -89,7 +90,7 @@ def test_map_encoding_reference_bytes() -> None:
 
 
 def test_array_encoding_matches_reference() -> None:
-    events = [
+    events: list[Event] = [
         BlockStored([1234567890123, -42], None, [1, 2, 3, 4, 5, 6, 7, 8], 4),
         BlockRemoved([-42]),
         AllBlocksCleared(),

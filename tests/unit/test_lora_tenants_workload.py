@@ -8,9 +8,8 @@ from collections import Counter
 
 import pytest
 
-from loadtests.micro.lora import warmup_orders
 from loadtests.workloads import create_workload
-from loadtests.workloads.lora import adapter_name, zipf_weights
+from loadtests.workloads.lora import adapter_name, warmup_orders, zipf_weights
 
 
 def test_each_tenant_has_its_adapter_and_its_context() -> None:

@@ -13,11 +13,13 @@ import io
 import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -231,13 +233,19 @@ async def test_retries_and_upstream_errors(monkeypatch: pytest.MonkeyPatch) -> N
         outcomes = sorted(d["outcome"]["status"] for d in decisions)
         assert outcomes == [200] * 6 + [503, 503]  # failed attempts keep their own outcome
         spans = env.spans.get_finished_spans()
-        assert sorted(dict(s.attributes or {})["gateway.retries"] for s in spans) == [
+        assert sorted(_int_attribute(s, "gateway.retries") for s in spans) == [
             0, 0, 0, 0, 1, 1,
         ]  # fmt: skip
 
 
+def _int_attribute(span: ReadableSpan, key: str) -> int:
+    value = dict(span.attributes or {})[key]
+    assert isinstance(value, int), (key, value)
+    return value
+
+
 async def test_admission_rejections(monkeypatch: pytest.MonkeyPatch) -> None:
-    limits = {"admission.max_concurrent_requests": 1, "admission.queue_size": 0}
+    limits: dict[str, Any] = {"admission.max_concurrent_requests": 1, "admission.queue_size": 0}
     async with gateway_env(monkeypatch, delay_s=0.3, **limits) as env:
         statuses = sorted(await asyncio.gather(*(chat(env) for _ in range(4))))
         assert statuses == [200, 429, 429, 429]
